@@ -1,0 +1,32 @@
+# Two commands set everything up from python3 and pip alone: `make serve` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+KESTREL := $(VENV)/bin/kestrel
+# The pinned CPU build of torch lies on these machines' disk; elsewhere pip takes it from PyPI.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS)
+DEMO_MODEL := .cache/k3.1-tiny-random
+
+.PHONY: serve test clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(VENV)/.runtime: pyproject.toml | $(PY)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml | $(PY)
+	$(PIP) -e '.[test]'
+	touch $@ $(VENV)/.runtime
+
+# Until the engine and server land, serving means a greedy generation from a tiny random K3.1-architecture model.
+serve: $(VENV)/.runtime
+	@test -f $(DEMO_MODEL)/config.json || $(KESTREL) random-model k3.1-tiny --out $(DEMO_MODEL)
+	$(KESTREL) generate --model $(DEMO_MODEL) --prompt-ids 1,5,9,13 --max-tokens 16
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .cache

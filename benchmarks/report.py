@@ -1,0 +1,40 @@
+"""Writes one benchmark's results into its own section of docs/benchmarks.md.
+
+Each benchmark owns the text between `<!-- begin NAME -->` and `<!-- end NAME -->`; rerunning a
+benchmark replaces its section and leaves the others alone.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the script to refresh it.\n"
+
+
+def machine() -> str:
+    """One line describing where the numbers were taken."""
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"{when}; {platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace (or append) the section `name` of docs/benchmarks.md with `body`."""
+    text = doc.read_text() if doc.exists() else HEADER
+    block = f"<!-- begin {name} -->\n{body.strip()}\n<!-- end {name} -->"
+    pattern = re.compile(rf"<!-- begin {re.escape(name)} -->.*?<!-- end {re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)

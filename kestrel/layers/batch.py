@@ -1,0 +1,115 @@
+"""The flat batch every layer sees: N sequences' new tokens packed along one axis, plus where their caches live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Metadata of one forward call over N sequences (T new tokens in all).
+
+    Sequence n contributes tokens cu_seqlens[n]:cu_seqlens[n+1]; before this call it already had prefix_lens[n]
+    tokens in the caches. Without caches (training, a plain forward) every prefix length is 0.
+    """
+
+    cu_seqlens: torch.Tensor            # [N+1] int64
+    prefix_lens: torch.Tensor           # [N] int64
+    positions: torch.Tensor             # [T] int64, absolute position of each new token in its sequence
+    seq_index: torch.Tensor             # [T] int64, which sequence each token belongs to
+    offsets: torch.Tensor               # [T] int64, index of each token among its sequence's new tokens
+    state_slots: torch.Tensor | None    # [N] int64, KDA state slot of each sequence
+    page_table: torch.Tensor | None     # [N, max_pages] int64, KV pages of each sequence
+    kv_write_index: torch.Tensor | None  # [T] int64, flat KV-cache row (page * page_size + offset) of each new token
+    kv_read_index: torch.Tensor | None   # [N, max_total] int64, flat KV-cache row of every position (0 past the end)
+    max_new: int                        # longest run of new tokens
+    max_total: int                      # longest sequence after this call
+
+    @classmethod
+    def build(cls, new_lens: list[int], prefix_lens: list[int] | None = None,
+              state_slots: list[int] | torch.Tensor | None = None,
+              page_table: list[list[int]] | torch.Tensor | None = None, page_size: int = 0,
+              device: torch.device | str = "cpu") -> ForwardBatch:
+        """Build the metadata from per-sequence counts (new tokens, tokens already cached).
+
+        page_table row n lists the KV pages (of page_size tokens) holding sequence n, in order.
+        """
+        n = len(new_lens)
+        prefix = prefix_lens if prefix_lens is not None else [0] * n
+        if len(prefix) != n or any(x < 0 for x in new_lens) or any(x < 0 for x in prefix):
+            raise ValueError("new_lens and prefix_lens must be non-negative and one per sequence.")
+        lens = torch.tensor(new_lens, dtype=torch.long, device=device)
+        prefix_t = torch.tensor(prefix, dtype=torch.long, device=device)
+        cu = torch.zeros(n + 1, dtype=torch.long, device=device)
+        cu[1:] = torch.cumsum(lens, 0)
+        seq_index = torch.repeat_interleave(torch.arange(n, device=device), lens)
+        offsets = torch.arange(int(cu[-1]), device=device) - cu[seq_index]
+        positions = prefix_t[seq_index] + offsets
+        max_total = max((a + b for a, b in zip(new_lens, prefix)), default=0)
+        pages = _long(page_table, device)
+        write_index = read_index = None
+        if pages is not None:
+            if page_size <= 0 or pages.dim() != 2 or pages.shape[0] != n:
+                raise ValueError("page_table needs one row per sequence and a positive page_size.")
+            needed = -(-max_total // page_size)
+            if pages.shape[1] < needed:
+                raise ValueError(f"page_table has {pages.shape[1]} pages per row; the longest sequence needs "
+                                 f"{needed}.")
+            write_index = _kv_rows(pages, seq_index, positions, page_size)
+            all_pos = torch.arange(max_total, device=device).expand(n, max_total)
+            valid = all_pos < (prefix_t + lens).unsqueeze(1)
+            rows = torch.arange(n, device=device).unsqueeze(1).expand(n, max_total)
+            read_index = torch.where(valid, _kv_rows(pages, rows, all_pos, page_size), 0)
+        return cls(
+            cu_seqlens=cu,
+            prefix_lens=prefix_t,
+            positions=positions,
+            seq_index=seq_index,
+            offsets=offsets,
+            state_slots=_long(state_slots, device),
+            page_table=pages,
+            kv_write_index=write_index,
+            kv_read_index=read_index,
+            max_new=max(new_lens, default=0),
+            max_total=max_total,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.numel()
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[N] tokens of each sequence after this call."""
+        return self.prefix_lens + self.cu_seqlens.diff()
+
+    @property
+    def has_prefix(self) -> bool:
+        return bool((self.prefix_lens > 0).any())
+
+    def to_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] -> [N, max_new, ...], zeros after each sequence's end."""
+        out = x.new_zeros(self.num_seqs, self.max_new, *x.shape[1:])
+        return out.index_put((self.seq_index, self.offsets), x)
+
+    def from_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, max_new, ...] -> [T, ...]."""
+        return x[self.seq_index, self.offsets]
+
+
+def _kv_rows(pages: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat cache row of position pos of sequence seq: its page's first row plus the offset in the page."""
+    cols = (pos // page_size).clamp(max=pages.shape[1] - 1)
+    return pages[seq, cols] * page_size + pos % page_size
+
+
+def _long(value, device) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return torch.as_tensor(value, dtype=torch.long, device=device)

@@ -1,0 +1,159 @@
+"""Gated NoPE multi-head latent attention (K3, Kimi-Linear) and its sparse form with a lightning indexer (K3.1 Pro).
+
+Per token the cache holds 512 + 64 values per layer: the normalised KV latent and the head-shared key part that
+K3 never rotates. Two mathematically equal forms read it (model-spec 5.1, 5.2):
+- plain: expand every cached latent through kv_b_proj into per-head keys and values (cheap for long prefills);
+- absorbed: fold kv_b_proj into the query and the output, attending over the latent directly (cheap for decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from .batch import ForwardBatch
+from .cache import HybridCache
+from .norm import RMSNorm
+
+PLAIN, ABSORBED, AUTO = "plain", "absorbed", "auto"
+
+
+class LightningIndexer(nn.Module):
+    """Scores every past token for each query and keeps the top-k (DeepSeek-V3.2's indexer without RoPE).
+
+    I[t, s] = sum_h w[t, h] relu(qI[t, h] . kI[s]) / sqrt(D), with qI from the query latent, kI = LayerNorm(wk x),
+    w = weights_proj(x) / sqrt(heads). The Hadamard rotation and FP8 rounding of DeepSeek's kernels are omitted:
+    the rotation is orthogonal, so exact scores are unchanged.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, bias=config.index_k_norm_bias)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> index keys [T, D] (what the indexer-key cache stores)."""
+        bias = None if self.k_norm.bias is None else self.k_norm.bias.float()
+        k = F.layer_norm(self.wk(x).float(), (self.head_dim,), self.k_norm.weight.float(), bias, self.k_norm.eps)
+        return k.to(x.dtype)
+
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, context_keys: torch.Tensor, batch: ForwardBatch,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Index scores [N, L, S] fp32 (-inf where mask is False) of the new tokens against context_keys [N, S, D]."""
+        q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
+        weights = self.weights_proj(x).float() * self.num_heads ** -0.5
+        return ops.indexer_scores(batch.to_padded(q), context_keys, batch.to_padded(weights), mask)
+
+
+class GatedMLA(nn.Module):
+    """One MLA layer (`self_attn.*` in checkpoints): NoPE, optional sigmoid output gate, optional indexer.
+
+    mla_index: the layer's position among the model's MLA layers (its pages in a HybridCache).
+    form: PLAIN, ABSORBED, or AUTO (absorbed when every sequence brings one new token, plain otherwise).
+    """
+
+    def __init__(self, config: ModelConfig, mla_index: int, with_indexer: bool):
+        super().__init__()
+        self.mla_index = mla_index
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.latent_dim = config.kv_lora_rank
+        self.scale = config.qk_head_dim ** -0.5
+        self.form = AUTO
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * config.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_cache_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.mla_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        if config.mla_output_gate:
+            self.g_proj = nn.Linear(hidden, heads * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
+        self.indexer = LightningIndexer(config) if with_indexer else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None,
+                index_scores_out: list | None = None) -> torch.Tensor:
+        """x: [T, hidden] (after input_layernorm) -> [T, hidden].
+
+        Writes the new tokens' latents (and index keys) to the cache, then attends over each whole sequence.
+        index_scores_out, when given, receives the indexer's scores [N, L, S] (indexer training uses them).
+        """
+        num_tokens = x.shape[0]
+        if hasattr(self, "q_a_proj"):
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        else:
+            q_latent, q = None, self.q_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
+        index_keys = self.indexer.keys(x) if self.indexer is not None else None
+
+        context, context_keys = self._context(latent, index_keys, batch, cache)
+        mask = self._causal_mask(batch, context.shape[1])
+        if self.indexer is not None:
+            scores = self.indexer.scores(x, q_latent, context_keys, batch, mask)
+            if index_scores_out is not None:
+                index_scores_out.append(scores)
+            mask = ops.topk_mask(scores, mask, self.indexer.topk)
+
+        q = batch.to_padded(q)
+        absorbed = self.form == ABSORBED or (self.form == AUTO and batch.max_new == 1)
+        o = self._absorbed(q, context, mask) if absorbed else self._plain(q, context, mask)
+        o = batch.from_padded(o).reshape(num_tokens, -1)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _context(self, latent: torch.Tensor, index_keys: torch.Tensor | None, batch: ForwardBatch,
+                 cache: HybridCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every token of every sequence, [N, S, 576] latents and [N, S, D] index keys, from the cache if any."""
+        if cache is None:
+            if batch.has_prefix:
+                raise ValueError("a batch with cached prefixes needs the cache that holds them.")
+            keys = batch.to_padded(index_keys) if index_keys is not None else None
+            return batch.to_padded(latent), keys
+        pages = cache.mla[self.mla_index]
+        pages.latent[batch.kv_write_index] = latent.detach().to(pages.latent.dtype)
+        context = pages.latent[batch.kv_read_index].to(latent.dtype)
+        keys = None
+        if index_keys is not None:
+            pages.index_keys[batch.kv_write_index] = index_keys.detach().to(pages.index_keys.dtype)
+            keys = pages.index_keys[batch.kv_read_index].to(index_keys.dtype)
+        return context, keys
+
+    @staticmethod
+    def _causal_mask(batch: ForwardBatch, context_len: int) -> torch.Tensor:
+        """[N, L, S] bool: new token l of sequence n may see position s <= its own (padding rows see nothing)."""
+        positions = batch.to_padded(batch.positions + 1) - 1        # -1 marks padding rows
+        return torch.arange(context_len, device=positions.device) <= positions.unsqueeze(-1)
+
+    def _plain(self, q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [N, L, H, 192], context [N, S, 576] -> [N, L, H, v_dim]; keys and values expanded per head."""
+        n, s = context.shape[:2]
+        kv = self.kv_b_proj(context[..., :self.latent_dim]).view(n, s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_shared = context[..., self.latent_dim:].unsqueeze(2).expand(-1, -1, self.num_heads, -1)
+        k = torch.cat([k_nope, k_shared], dim=-1)
+        return ops.masked_attention(q, k, v, mask, self.scale)
+
+    def _absorbed(self, q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [N, L, H, 192], context [N, S, 576] -> [N, L, H, v_dim]; attention over the shared latent."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        w_uk, w_uv = w[:, :self.nope_dim], w[:, self.nope_dim:]
+        q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = torch.einsum("nlhd,hdr->nlhr", q_nope, w_uk)
+        q_full = torch.cat([q_latent, q_shared], dim=-1)
+        o_latent = ops.masked_attention(q_full, context.unsqueeze(2), context[..., :self.latent_dim].unsqueeze(2),
+                                        mask, self.scale)
+        return torch.einsum("nlhr,hvr->nlhv", o_latent, w_uv)

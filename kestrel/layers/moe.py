@@ -1,0 +1,139 @@
+"""Feed-forward layers: the dense gated MLP and the (latent) mixture of experts with MXFP4 routed experts.
+
+MoE (model-spec section 6): a sigmoid router whose correction bias only steers selection; the routed experts
+read a latent projection of x (K3: 7168 -> 3584) when the model has one, and their RMSNormed sum is projected
+back; shared experts read x itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..quant import dequantize_mxfp4, fake_quantize_mxfp8
+from .activation import glu
+from .norm import RMSNorm
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj x, up_proj x)); the dense layer 0 and the shared experts."""
+
+    def __init__(self, config: ModelConfig, hidden: int, intermediate: int):
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu(self.config, self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """Sigmoid top-k routing (`gate.weight` [E, hidden], `gate.e_score_correction_bias` [E])."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k, self.groups, self.topk_group = config.num_experts_per_token, config.num_expert_group, config.topk_group
+        self.renormalize, self.scaling = config.moe_renormalize, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids [T, k] int64, routing weights [T, k] fp32)."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        choice = scores.detach() + self.e_score_correction_bias.float()
+        if self.groups > 1:
+            choice = self._keep_top_groups(choice)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+    def _keep_top_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: only experts of the topk_group groups with the best top-2 sums stay eligible."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+class RoutedExperts(nn.Module):
+    """E experts of act(w1 z, w3 z) -> w2, held stacked: dense `w1, w3` [E, I, D], `w2` [E, D, I], or MXFP4
+    `w{1,3,2}_packed` (uint8, two values per byte along the input dim) with `w{1,3,2}_scale` (E8M0 per 32).
+
+    Packed experts stay packed in memory; the experts a batch uses are dequantized when it runs.
+    """
+
+    def __init__(self, config: ModelConfig, dim: int):
+        super().__init__()
+        self.config = config
+        self.mxfp4 = config.experts_mxfp4
+        self.mxfp8_activations = False
+        e, i = config.num_experts, config.moe_intermediate_size
+        shapes = {"w1": (e, i, dim), "w3": (e, i, dim), "w2": (e, dim, i)}
+        for name, shape in shapes.items():
+            if self.mxfp4:
+                *lead, cols = shape
+                self.register_buffer(f"{name}_packed", torch.zeros(*lead, cols // 2, dtype=torch.uint8))
+                self.register_buffer(f"{name}_scale", torch.zeros(*lead, cols // 32, dtype=torch.uint8))
+            else:
+                setattr(self, name, nn.Parameter(torch.zeros(shape)))
+
+    def expert_weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Dense weight `name` (w1, w3 or w2) of one expert in dtype."""
+        if self.mxfp4:
+            return dequantize_mxfp4(getattr(self, f"{name}_packed")[expert], getattr(self, f"{name}_scale")[expert],
+                                    dtype)
+        return getattr(self, name)[expert].to(dtype)
+
+    def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype."""
+        out = torch.zeros_like(z, dtype=torch.float32)
+        for expert in ids.unique().tolist():
+            token, slot = (ids == expert).nonzero(as_tuple=True)
+            h = self._quant(z[token])
+            w1, w3, w2 = (self.expert_weight(n, expert, z.dtype) for n in ("w1", "w3", "w2"))
+            a = self._quant(glu(self.config, h @ w1.t(), h @ w3.t()))
+            y = (a @ w2.t()).float() * weights[token, slot].unsqueeze(-1)
+            out = out.index_add(0, token, y)
+        return out.to(z.dtype)
+
+    def _quant(self, x: torch.Tensor) -> torch.Tensor:
+        """MXFP8 fake quantization of an expert GEMM input, when switched on (off by default)."""
+        return fake_quantize_mxfp8(x) if self.mxfp8_activations else x
+
+
+class MoE(nn.Module):
+    """`block_sparse_moe.*`: router, routed experts (in a latent space when configured), shared experts."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.latent = config.routed_expert_hidden_size is not None
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.expert_dim, bias=False)
+            self.routed_expert_up_proj = nn.Linear(config.expert_dim, config.hidden_size, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(config.expert_dim, config.rms_norm_eps)
+        self.experts = RoutedExperts(config, config.expert_dim)
+        if config.num_shared_experts:
+            width = config.moe_intermediate_size * config.num_shared_experts
+            self.shared_experts = GatedMLP(config, config.hidden_size, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        ids, weights = self.gate(x)
+        if self.latent:
+            y = self.experts(self.routed_expert_down_proj(x), ids, weights)
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        else:
+            y = self.experts(x, ids, weights)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y

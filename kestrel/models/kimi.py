@@ -1,0 +1,180 @@
+"""The Kimi K3 family decoder: KDA and gated MLA layers, AttnRes, (latent) MoE, MTP heads, lm_head.
+
+Module names follow the checkpoints (`model.layers.{i}.self_attn.q_proj`, ...), so loading is a name lookup
+except for the routed experts (stacked here) and A_log (held as [H]).
+
+Forward API: one flat batch of many sequences' new tokens with explicit caches,
+
+    hidden = model(input_ids [T], batch, cache)        # pre-final-norm hidden states [T, D]
+    logits = model.compute_logits(hidden[rows])        # [R, vocab]
+
+so the engine can run prefill chunks and decode steps of many requests in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import KDA, ModelConfig
+from ..layers.batch import ForwardBatch
+from ..layers.cache import HybridCache
+from ..layers.kda import KimiDeltaAttention
+from ..layers.mla import GatedMLA
+from ..layers.moe import MoE, GatedMLP
+from ..layers.norm import RMSNorm, attn_res_mix
+
+
+class DecoderLayer(nn.Module):
+    """Attention (KDA or MLA) then FFN (dense `mlp` or `block_sparse_moe`), each after an RMSNorm.
+
+    With AttnRes the layer owns the two depth mixes that form its attention and FFN inputs
+    (`self_attention_res_*`, `mlp_res_*`); otherwise the residual stream is a plain sum.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, kind: str, cache_index: int, attn_res: bool,
+                 with_indexer: bool):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if kind == KDA:
+            self.self_attn = KimiDeltaAttention(config, cache_index)
+        else:
+            self.self_attn = GatedMLA(config, cache_index, with_indexer)
+        if config.is_moe_layer(layer_id):
+            self.block_sparse_moe = MoE(config)
+        else:
+            self.mlp = GatedMLP(config, d, config.intermediate_size)
+        if attn_res:
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return block(self.post_attention_layernorm(x))
+
+    def attend(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), batch, cache)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+        """Plain pre-norm residual block, x [T, D] -> [T, D]."""
+        x = x + self.attend(x, batch, cache)
+        return x + self.ffn(x)
+
+
+class MTPLayer(DecoderLayer):
+    """A DeepSeek-V3-style multi-token-prediction layer (`model.layers.{N+i}`), MLA attention, no AttnRes:
+
+        h' = eh_proj([enorm(embed(token_{t+1})), hnorm(h_t)]);  h'' = DecoderLayer(h');
+        logits_{t+2} = shared_head.head(shared_head.norm(h''))
+
+    h_t is the main model's pre-final-norm hidden state. Whether K3.1's MTP attention has an indexer is unknown
+    (model-spec 11.4); kestrel gives it none.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, cache_index: int):
+        super().__init__(config, layer_id, "mla", cache_index, attn_res=False, with_indexer=False)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(d, eps)
+        self.shared_head.head = nn.Linear(d, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch,
+                cache: HybridCache | None) -> torch.Tensor:
+        """hidden, next_embeds [T, D] -> draft logits [T, vocab] for the token after next."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        x = super().forward(x, batch, cache)
+        return self.shared_head.head(self.shared_head.norm(x))
+
+
+class KimiTextModel(nn.Module):
+    """`model.*`: embeddings, the decoder layers (MTP layers last), final norm, AttnRes output mix."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        attn_res = config.attn_res_block_size is not None
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        layers: list[nn.Module] = []
+        counts = {"kda": 0, "mla": 0}
+        for i, kind in enumerate(config.layer_types):
+            layers.append(DecoderLayer(config, i, kind, counts[kind], attn_res, config.has_indexer))
+            counts[kind] += 1
+        for j in range(config.num_nextn_predict_layers):
+            layers.append(MTPLayer(config, config.num_hidden_layers + j, counts["mla"] + j))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        if attn_res:
+            self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.layers[: self.config.num_hidden_layers])
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size is None:
+            for layer in self.decoder_layers:
+                x = layer(x, batch, cache)
+            return x
+        return self._forward_attn_res(x, batch, cache)
+
+    def _forward_attn_res(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+        """AttnRes stream: `blocks` holds snapshots (the embedding, then each finished block's sum of sublayer
+        outputs); `partial` is the running sum of the current block. Each sublayer reads a softmax mix of both."""
+        blocks: list[torch.Tensor] = []
+        partial = x
+        for i, layer in enumerate(self.decoder_layers):
+            h = partial if not blocks else attn_res_mix(
+                blocks + [partial], layer.self_attention_res_norm, layer.self_attention_res_proj)
+            if i % self.config.attn_res_block_size == 0:
+                blocks.append(partial)
+                partial = torch.zeros_like(partial)
+            partial = partial + layer.attend(h, batch, cache)
+            m = attn_res_mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj)
+            partial = partial + layer.ffn(m)
+        return attn_res_mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj)
+
+
+class KimiForCausalLM(nn.Module):
+    """The causal LM: `model.*` and `lm_head`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = KimiTextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None) -> torch.Tensor:
+        """input_ids [T] (the new tokens of batch's sequences) -> pre-final-norm hidden states [T, D].
+
+        With a cache, reads each sequence's state slot and pages and writes the new tokens into them.
+        """
+        if input_ids.shape != (batch.num_tokens,):
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the batch describes "
+                             f"{batch.num_tokens} tokens.")
+        return self.model(input_ids, batch, cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, D] -> logits [R, vocab] in fp32."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.model.layers[self.config.num_hidden_layers:])
+
+    def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                   cache: HybridCache | None = None, depth: int = 0) -> torch.Tensor:
+        """Draft logits [T, vocab] fp32 of MTP layer `depth`: at token t, from hidden[t] and the id of token t+1."""
+        layer = self.mtp_layers[depth]
+        return layer(hidden, self.model.embed_tokens(next_ids), batch, cache).float()

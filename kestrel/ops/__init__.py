@@ -1,0 +1,12 @@
+"""Numerics kernels behind one interface per op.
+
+`ops.torch` is the reference backend (CPU, autograd, written for clarity); faster backends must match it.
+Layers import ops from here, never from a backend directly.
+"""
+
+from .torch.attention import masked_attention
+from .torch.conv import causal_conv1d
+from .torch.indexer import indexer_scores, topk_mask
+from .torch.kda import chunk_kda, recurrent_kda
+
+__all__ = ["causal_conv1d", "chunk_kda", "indexer_scores", "masked_attention", "recurrent_kda", "topk_mask"]

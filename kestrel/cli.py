@@ -77,7 +77,7 @@ def _inspect(args: argparse.Namespace) -> int:
         rows.append(("MTP parameters", _count(report.mtp_params)))
     rows += [(f"weights in {fmt}", _bytes(n)) for fmt, n in report.weight_bytes.items()]
     rows += [("weights in all", _bytes(sum(report.weight_bytes.values()))),
-             ("MLA KV cache per token (bf16)", f"{report.kv_bytes_per_token:,} B"),
+             ("MLA cache per token (bf16)", f"{report.kv_bytes_per_token:,} B"),
              ("KDA state per sequence (fp32)", _bytes(report.state_bytes_per_sequence))]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

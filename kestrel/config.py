@@ -13,6 +13,7 @@ overridden by a key of the same name in config.json.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -462,7 +463,7 @@ def to_hf_dict(config: ModelConfig) -> dict[str, Any]:
             "dsa_layers": one_based(MLA),
         }
     if config.experts_mxfp4:
-        text["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
+        text["quantization_config"] = copy.deepcopy(MXFP4_QUANTIZATION_CONFIG)
     if not is_k3_schema(config):
         return text
     return {

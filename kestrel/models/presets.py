@@ -5,6 +5,7 @@ Tests build random checkpoints from them; `kestrel random-model` writes one for 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ..config import MXFP4_QUANTIZATION_CONFIG
@@ -48,7 +49,7 @@ def _k3_text() -> dict[str, Any]:
         "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
         "attn_res_block_size": 2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
         "max_position_embeddings": 4096, "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
-        "quantization_config": MXFP4_QUANTIZATION_CONFIG,
+        "quantization_config": copy.deepcopy(MXFP4_QUANTIZATION_CONFIG),
     }
 
 

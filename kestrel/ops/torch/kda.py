@@ -30,8 +30,8 @@ from functools import reduce
 
 import torch
 
-SUB_CHUNK = 16
-"""Preferred sub-chunk length inside a chunk (the size of the elementwise diagonal blocks)."""
+LEAF_BLOCK = 8
+"""Blocks of at most this many tokens use the elementwise decay form; larger ones are halved."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
     q_c, k_c, v_c, g_c = (_to_chunks(x.to(dtype), layout) for x in (q, k, v, g))
     beta_c = _to_chunks(beta.to(dtype).unsqueeze(-1), layout).squeeze(-1)
-    terms = _intra_chunk_terms(q_c * scale, k_c, v_c, g_c, beta_c, math.gcd(chunk_size, SUB_CHUNK))
+    terms = _intra_chunk_terms(q_c * scale, k_c, v_c, g_c, beta_c)
     chunk_start, new_values, chunk_end, final_sorted = _carry_state(terms, state[layout.order], layout)
 
     o_c = terms.q_decayed @ chunk_start + terms.attn_qk @ new_values          # [B, H, C, V]
@@ -142,33 +142,20 @@ class IntraChunkTerms:
     decay_total: torch.Tensor     # [B, H, K]: exp(G_last)
 
 
-def _intra_chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       sub_chunk: int) -> IntraChunkTerms:
+def _intra_chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                       ) -> IntraChunkTerms:
     """Everything that does not depend on the state entering a chunk, for all chunks at once.
 
-    q (already scaled), k, g: [B, H, C, K]; v: [B, H, C, V]; beta: [B, H, C]; sub_chunk divides C.
+    q (already scaled), k, g: [B, H, C, K]; v: [B, H, C, V]; beta: [B, H, C].
     """
-    num_chunks, num_heads, chunk, key_dim = q.shape
-    num_sub = chunk // sub_chunk
-    sub_shape = (num_chunks, num_heads, num_sub, sub_chunk, key_dim)
-    g_in_sub = g.view(sub_shape).cumsum(-2)                                  # G relative to the sub-chunk start
-    sub_total = g_in_sub[..., -1, :]                                         # [B, H, n, K]
-    sub_start = torch.nn.functional.pad(sub_total.cumsum(-2)[..., :-1, :], (0, 0, 1, 0))
-    cum_g = (g_in_sub + sub_start.unsqueeze(-2)).view(q.shape)               # G relative to the chunk start
+    key_dim = q.shape[-1]
+    cum_g = g.cumsum(-2)                                                     # G, relative to the chunk start
     last = cum_g[..., -1:, :]
-
-    q_sub, k_sub = q.view(sub_shape), k.view(sub_shape)
-    rows = torch.cat([q_sub, k_sub], -2) * g_in_sub.exp().repeat(1, 1, 1, 2, 1)   # [B, H, n, 2c, K]
-    across = rows @ _keys_before_sub_chunk(k, cum_g, sub_start, sub_chunk).transpose(-1, -2)
-    within = _within_sub_chunk(q_sub, k_sub, g_in_sub)                       # [B, H, n, c, 2, c]
-    qk_across, kk_across = (x.reshape(num_chunks, num_heads, chunk, chunk)
-                            for x in across.unflatten(-2, (2, sub_chunk)).unbind(-3))
-    attn_qk = qk_across + _block_diagonal(within[..., 0, :])
-    attn_kk = beta.unsqueeze(-1) * (kk_across + _block_diagonal(within[..., 1, :]))
-
+    scores = _causal_decayed_scores(torch.stack([q, k], -2), k, cum_g)       # [B, H, C, 2, C]
+    attn_qk, attn_kk = scores.unbind(-2)
     right = beta.unsqueeze(-1) * torch.cat([k * cum_g.exp(), v], -1)
-    # unitriangular=True: the solve reads only the strictly lower part of attn_kk (its diagonal is ignored).
-    solved = torch.linalg.solve_triangular(attn_kk, right, upper=False, unitriangular=True)
+    # A = strictly lower part of beta_i * attn_kk; unitriangular=True reads only that part and takes I + A.
+    solved = torch.linalg.solve_triangular(beta.unsqueeze(-1) * attn_kk, right, upper=False, unitriangular=True)
     return IntraChunkTerms(
         q_decayed=q * cum_g.exp(),
         attn_qk=attn_qk,
@@ -179,37 +166,36 @@ def _intra_chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     )
 
 
-def _keys_before_sub_chunk(k: torch.Tensor, cum_g: torch.Tensor, sub_start: torch.Tensor,
-                           sub_chunk: int) -> torch.Tensor:
-    """k_j * exp(G_start(a) - G_j) for keys j before sub-chunk a, zero elsewhere: [B, H, n, C, K].
+def _causal_decayed_scores(rows: torch.Tensor, keys: torch.Tensor, cum_g: torch.Tensor) -> torch.Tensor:
+    """rows_i . (exp(G_i - G_j) keys_j) for j <= i, else 0, within each block.
 
-    G_start(a) is the cumulative decay at the end of the sub-chunk before a; the exponent is <= 0 where kept.
+    rows: [..., s, R, K] (R row sets scored against the same keys); keys: [..., s, K];
+    cum_g: [..., s, K], the cumulative log-decay G from the block start. Returns [..., s, R, s].
+    A block is halved recursively: the lower-left quarter is one matrix product of rows decayed from the
+    halfway point and keys decayed to it, so only blocks of LEAF_BLOCK tokens use the elementwise form.
     """
-    num_sub, chunk = sub_start.shape[-2], cum_g.shape[-2]
-    key_pos = torch.arange(chunk, device=k.device)
-    before = key_pos < torch.arange(num_sub, device=k.device).unsqueeze(1) * sub_chunk      # [n, C]
-    exponent = (sub_start.unsqueeze(-2) - cum_g.unsqueeze(-3)).masked_fill(~before.unsqueeze(-1), -math.inf)
-    return k.unsqueeze(-3) * exponent.exp()
+    size = keys.shape[-2]
+    if size <= LEAF_BLOCK or size % 2:
+        return _causal_decayed_scores_elementwise(rows, keys, cum_g)
+    half = size // 2
+    midpoint = cum_g[..., half - 1:half, :]                                  # G at the end of the first half
+    halves_g = cum_g.unflatten(-2, (2, half)) - torch.cat([torch.zeros_like(midpoint), midpoint], -2).unsqueeze(-2)
+    diagonal = _causal_decayed_scores(rows.unflatten(-3, (2, half)), keys.unflatten(-2, (2, half)), halves_g)
+    late_rows = rows[..., half:, :, :] * halves_g[..., 1, :, :].exp().unsqueeze(-2)
+    early_keys = keys[..., :half, :] * (midpoint - cum_g[..., :half, :]).exp()
+    lower_left = (late_rows.flatten(-3, -2) @ early_keys.transpose(-1, -2)).unflatten(-2, late_rows.shape[-3:-1])
+    upper = torch.cat([diagonal[..., 0, :, :, :], torch.zeros_like(lower_left)], -1)
+    lower = torch.cat([lower_left, diagonal[..., 1, :, :, :]], -1)
+    return torch.cat([upper, lower], -3)
 
 
-def _within_sub_chunk(q: torch.Tensor, k: torch.Tensor, g_in_sub: torch.Tensor) -> torch.Tensor:
-    """Scores inside each sub-chunk, x_i . (exp(G_i - G_j) k_j) for j <= i else 0, for x = q and x = k.
-
-    q, k, g_in_sub: [B, H, n, c, K]. Returns [B, H, n, c (i), 2 (q, k), c (j)].
-    """
-    sub_chunk = q.shape[-2]
-    causal = torch.ones(sub_chunk, sub_chunk, dtype=torch.bool, device=q.device).tril()
-    exponent = (g_in_sub.unsqueeze(-2) - g_in_sub.unsqueeze(-3)).masked_fill(~causal.unsqueeze(-1), -math.inf)
-    decayed_keys = exponent.exp() * k.unsqueeze(-3)                             # [B, H, n, c, c, K]
-    return torch.stack([q, k], -2) @ decayed_keys.transpose(-1, -2)
-
-
-def _block_diagonal(blocks: torch.Tensor) -> torch.Tensor:
-    """[..., n, c, c] diagonal blocks -> [..., n*c, n*c] block-diagonal matrix."""
-    num_sub, sub_chunk = blocks.shape[-3], blocks.shape[-1]
-    eye = torch.eye(num_sub, dtype=blocks.dtype, device=blocks.device)
-    spread = blocks.unsqueeze(-2) * eye.view(num_sub, 1, num_sub, 1)              # [..., n, c, n, c]
-    return spread.flatten(-4, -3).flatten(-2, -1)
+def _causal_decayed_scores_elementwise(rows: torch.Tensor, keys: torch.Tensor, cum_g: torch.Tensor) -> torch.Tensor:
+    """`_causal_decayed_scores` through the [s, s, K] decay tensor (for small blocks)."""
+    size = keys.shape[-2]
+    causal = torch.ones(size, size, dtype=torch.bool, device=keys.device).tril()
+    exponent = (cum_g.unsqueeze(-2) - cum_g.unsqueeze(-3)).masked_fill(~causal.unsqueeze(-1), -math.inf)
+    decayed_keys = exponent.exp() * keys.unsqueeze(-3)                       # [..., s (i), s (j), K]
+    return rows @ decayed_keys.transpose(-1, -2)
 
 
 def _carry_state(terms: IntraChunkTerms, state: torch.Tensor, layout: ChunkLayout

@@ -1,0 +1,62 @@
+"""Masked attention against torch's scaled_dot_product_attention, and sparse attention against fla's naive DSA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from fla.ops.dsa.naive import naive_dsa, naive_dsa_indexer
+
+from kestrel.ops import indexer_scores, masked_attention, topk_mask
+
+
+def test_masked_attention_matches_sdpa_for_shared_and_per_head_keys():
+    gen = torch.Generator().manual_seed(0)
+    n, l, s, h, d, dv = 2, 5, 9, 3, 8, 6
+    q = torch.randn(n, l, h, d, generator=gen)
+    mask = torch.rand(n, l, s, generator=gen) > 0.4
+    mask[..., 0] = True
+    for heads_k in (h, 1):
+        k = torch.randn(n, s, heads_k, d, generator=gen)
+        v = torch.randn(n, s, heads_k, dv, generator=gen)
+        got = masked_attention(q, k, v, mask, scale=0.3)
+        expected = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.expand(-1, -1, h, -1).transpose(1, 2), v.expand(-1, -1, h, -1).transpose(1, 2),
+            attn_mask=mask.unsqueeze(1), scale=0.3).transpose(1, 2)
+        torch.testing.assert_close(got, expected)
+
+
+def test_query_rows_without_keys_give_zeros():
+    q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
+    mask = torch.tensor([[[True, False, False], [False, False, False]]])
+    out = masked_attention(q, k, v, mask, 0.5)
+    assert torch.equal(out[0, 1], torch.zeros(1, 4)) and torch.allclose(out[0, 0, 0], v[0, 0, 0])
+
+
+def causal(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril().unsqueeze(0)
+
+
+def test_indexer_selection_and_sparse_attention_match_fla_naive_dsa():
+    gen = torch.Generator().manual_seed(0)
+    t, hi, di, h, d, topk = 40, 4, 16, 3, 8, 7
+    q_idx = torch.randn(1, t, hi, di, generator=gen)
+    k_idx = torch.randn(1, t, di, generator=gen)
+    w_idx = torch.randn(1, t, hi, generator=gen)
+    scores = indexer_scores(q_idx, k_idx, w_idx, causal(t))
+    selected = topk_mask(scores, causal(t), topk)
+    indices = naive_dsa_indexer(q_idx, k_idx, w_idx, topk=topk, activation="relu")[0]
+    expected = torch.zeros(t, t + 1, dtype=torch.bool).scatter_(1, indices.masked_fill(indices < 0, t), True)[:, :t]
+    assert torch.equal(selected[0], expected)
+
+    q, k, v = torch.randn(1, t, h, d, generator=gen), torch.randn(1, t, h, d, generator=gen), torch.randn(
+        1, t, h, d, generator=gen)
+    got = masked_attention(q, k, v, selected, scale=d ** -0.5)
+    torch.testing.assert_close(got, naive_dsa(q, k, v, None, None, indices=indices[None], topk=topk))
+
+
+def test_topk_covering_the_context_is_dense_and_ties_go_to_earlier_positions():
+    t = 6
+    scores = torch.zeros(1, t, t).masked_fill(~causal(t), float("-inf"))
+    assert torch.equal(topk_mask(scores, causal(t), t), causal(t))
+    kept = topk_mask(scores, causal(t), 2)
+    assert torch.equal(kept[0, -1], torch.tensor([True, True, False, False, False, False]))

@@ -1,0 +1,52 @@
+"""The command line: inspect output, random checkpoints, greedy generation, and exit status 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kestrel.cli import main
+from kestrel.models.checkpoint import load_model
+from kestrel.models.generate import greedy_generate
+
+
+def test_inspect_json_for_a_published_model(capsys):
+    assert main(["inspect", "k3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert round(report["total_params"] / 1e12, 2) == 2.78 and round(report["active_params"] / 1e9, 1) == 104.2
+
+
+def test_inspect_table(capsys):
+    assert main(["inspect", "k3.1-pro"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(line.split("  ", 1) for line in out.splitlines())
+    assert rows["active parameters per token"].strip().startswith("104.37B") and "24 indexer" in out
+
+
+def test_random_model_then_generate(tmp_path, capsys):
+    assert main(["random-model", "k3.1-tiny", "--out", str(tmp_path), "--seed", "3"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,5,9", "--max-tokens", "6"]) == 0
+    printed = [int(t) for t in capsys.readouterr().out.strip().split(",")]
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert printed == greedy_generate(model, [[1, 5, 9]], 6, stop_token_id=model.config.eos_token_id)[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "/no/such/model"], "does not exist"),
+    (["random-model", "k3", "--out", "/tmp/x"], "more than half of this machine's"),
+    (["generate", "--model", "/no/such", "--prompt-ids", "1"], "is not a model folder"),
+])
+def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_bad_prompt_ids(tmp_path, capsys):
+    main(["random-model", "kimi-linear-tiny", "--out", str(tmp_path)])
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,x"]) == 2
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "100000"]) == 2
+    assert "must lie in [0, 256)" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The `kestrel` command line: inspect a config, make a random checkpoint, generate greedily from token ids.
+"""The `kestrel` command line: inspect a config, make a random checkpoint, quantize experts, generate greedily.
 
 Bad input exits with status 2 and one sentence on stderr.
 """
@@ -19,6 +19,7 @@ from .models.generate import greedy_generate
 from .models.init import init_weights
 from .models.inspect import inspect_config
 from .models.presets import PRESETS, tiny_config
+from .models.quantize import quantize_experts
 
 
 class UsageError(ValueError):
@@ -50,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(run=_random_model)
+
+    p = sub.add_parser("quantize-experts", help="write a copy of a checkpoint with MXFP4 routed experts")
+    p.add_argument("model", type=Path, help="model folder with unquantized experts")
+    p.add_argument("--out", required=True, type=Path, help="folder to write")
+    p.set_defaults(run=_quantize_experts)
 
     p = sub.add_parser("generate", help="greedy continuation of token ids")
     p.add_argument("--model", required=True, type=Path, help="model folder")
@@ -110,6 +116,15 @@ def _random_model(args: argparse.Namespace) -> int:
     model = init_weights(build_model(config, getattr(torch, args.dtype)), seed=args.seed)
     save_model(model, args.out, config_json=raw)
     print(f"wrote a random {config.architecture} checkpoint to {args.out}")
+    return 0
+
+
+def _quantize_experts(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    if model.config.experts_mxfp4:
+        raise UsageError(f"{args.model} already stores its routed experts as MXFP4.")
+    save_model(quantize_experts(model), args.out)
+    print(f"wrote {args.out} with MXFP4 routed experts")
     return 0
 
 

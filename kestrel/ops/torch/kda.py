@@ -13,13 +13,15 @@ the only Python loop carries the state from one chunk to the next.
 
 Numerics: with G the cumulative log-decay inside a chunk (non-increasing), every exponent
 evaluated here is a difference G_i - G_j with i after j, so it is <= 0 and exp never overflows,
-for the unbounded Kimi-Linear gate as much as for the lower-bounded K3 gate. Chunks are split
-into sub-chunks; the decay between two different sub-chunks factors through the boundary of
-the later one, exp(G_i - G_j) = exp(G_i - G_b) exp(G_b - G_j), which turns those blocks into
-matrix products. Only the small diagonal sub-chunk blocks use the elementwise [c, c, K] form.
+for the unbounded Kimi-Linear gate as much as for the lower-bounded K3 gate. The decayed
+key-key and query-key scores of a chunk are built by halving it recursively: between the two
+halves, exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j) with m the midpoint, both factors <= 1, so
+each lower-left quarter is one matrix product; (I + A)^-1 is inverted by the same halving.
+Decay factors and couplings too small to matter in float32 are set to exactly zero, which keeps
+subnormal numbers (that CPUs multiply up to 20x slower) out of the matrix products.
 
-Computation is in float32 (float64 when an input is float64); `o` comes back in v's dtype.
-Everything is differentiable with respect to q, k, v, g, beta and initial_state.
+Computation is in float32 (float64 when an input is float64, e.g. for gradient checks); `o` comes
+back in v's dtype. Everything is differentiable with respect to q, k, v, g, beta and initial_state.
 """
 
 from __future__ import annotations
@@ -27,11 +29,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import reduce
+from itertools import accumulate
 
 import torch
 
-LEAF_BLOCK = 8
-"""Blocks of at most this many tokens use the elementwise decay form; larger ones are halved."""
+LEAF_BLOCK = 2
+"""Score blocks of at most this many tokens (or of odd length) use the elementwise [s, s, K] decay form."""
+NEGLIGIBLE_LOG_DECAY = -30.0
+"""Decay factors below exp(-30) (about 1e-13) inside a chunk count as exactly zero."""
+NEGLIGIBLE = 1e-15
+"""Entries of the chunk's coupling matrix A and of (I + A)^-1 below this magnitude count as zero."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,8 @@ class ChunkLayout:
     """Where each token goes when sequences are cut into chunks, and in which order chunks are processed.
 
     Sequences are ranked by chunk count (most first), so at chunk step c the sequences that still
-    have a chunk are ranks 0..active[c]-1, and their chunks sit contiguously at
-    step_offset[c] .. step_offset[c] + active[c] - 1 of the packed chunk list.
+    have a chunk are ranks 0..active[c]-1. The packed chunk list holds step 0's chunks (by rank), then
+    step 1's, and so on; each sequence is padded only to a multiple of chunk_size.
     """
 
     chunk_size: int
@@ -49,7 +56,6 @@ class ChunkLayout:
     order: torch.Tensor           # [N] int64: sequence index at each rank
     rank: torch.Tensor            # [N] int64: rank of each sequence
     active: list[int]             # per chunk step: how many sequences have a chunk there
-    step_offset: list[int]        # per chunk step: index of its first chunk in the packed list
     full_chunks: torch.Tensor     # [F] int64: packed index of every full chunk, by sequence then position
 
 
@@ -64,6 +70,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     Returns o [T, H, V] in v's dtype, the final state [N, H, K, V] float32, and, when
     output_chunk_states, the state after every full chunk_size tokens of each sequence
     [sum_n floor(L_n / chunk_size), H, K, V] float32 (sequences in order), else None.
+    Any chunk_size >= 1 works; powers of two take the all-matmul path.
     """
     lengths = _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     if chunk_size < 1:
@@ -72,16 +79,17 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
     scale = key_dim ** -0.5 if scale is None else scale
     layout = _chunk_layout(lengths, chunk_size, q.device)
-    state = _initial_state(initial_state, len(lengths), num_heads, key_dim, value_dim, q, dtype)
+    state = _initial_state(initial_state, (len(lengths), num_heads, key_dim, value_dim), dtype, q.device)
 
     q_c, k_c, v_c, g_c = (_to_chunks(x.to(dtype), layout) for x in (q, k, v, g))
     beta_c = _to_chunks(beta.to(dtype).unsqueeze(-1), layout).squeeze(-1)
     terms = _intra_chunk_terms(q_c * scale, k_c, v_c, g_c, beta_c)
-    chunk_start, new_values, chunk_end, final_sorted = _carry_state(terms, state[layout.order], layout)
+    chunk_start, new_values, chunk_end, final_sorted = _carry_state(terms, state[layout.order], layout,
+                                                                    output_chunk_states)
 
     o_c = terms.q_decayed @ chunk_start + terms.attn_qk @ new_values          # [B, H, C, V]
     o = o_c.transpose(1, 2).reshape(-1, num_heads, value_dim)[layout.token_slot].to(v.dtype)
-    chunk_states = chunk_end[layout.full_chunks] if output_chunk_states else None
+    chunk_states = chunk_end[layout.full_chunks] if chunk_end is not None else None
     return o, final_sorted[layout.rank], chunk_states
 
 
@@ -98,28 +106,31 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     num_seqs, (num_heads, key_dim), value_dim = len(lengths), q.shape[1:], v.shape[2]
     scale = key_dim ** -0.5 if scale is None else scale
     max_len = max(lengths, default=0)
-    slot = _token_positions(lengths, q.device)
-    slot = slot[0] * max_len + slot[1]                                          # [T] into [N * max_len]
+    seq, pos = _token_positions(lengths, q.device)
+    slot = seq * max_len + pos                                                  # [T] into [N * max_len]
     # Padding steps have g = k = beta = 0, which leaves the state unchanged.
     q_p, k_p, v_p, g_p, beta_p = (_scatter_rows(x.to(dtype), slot, num_seqs * max_len)
                                   .unflatten(0, (num_seqs, max_len)) for x in (q, k, v, g, beta))
-    q_p = q_p * scale
-    state = _initial_state(initial_state, num_seqs, num_heads, key_dim, value_dim, q, dtype)
+    state = _initial_state(initial_state, (num_seqs, num_heads, key_dim, value_dim), dtype, q.device)
     outputs, states = [], []
-    for t in range(max_len):
-        state = _recurrent_step(state, q_p[:, t], k_p[:, t], v_p[:, t], g_p[:, t], beta_p[:, t])
-        outputs.append(torch.einsum("nhk,nhkv->nhv", q_p[:, t], state))
+    for q_t, k_t, v_t, g_t, beta_t in zip(*(x.unbind(1) for x in (q_p * scale, k_p, v_p, g_p, beta_p))):
+        state = _recurrent_step(state, k_t, v_t, g_t, beta_t)
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q_t, state))
         states.append(state)
-    if max_len == 0:
-        return v.new_zeros(v.shape), state, (state.new_zeros(0, num_heads, key_dim, value_dim)
-                                             if output_token_states else None)
-    o = torch.stack(outputs, 1).flatten(0, 1)[slot].to(v.dtype)
-    token_states = torch.stack(states, 1).flatten(0, 1)[slot] if output_token_states else None
+    o = _stack_steps(outputs, v_p)[slot].to(v.dtype)
+    token_states = _stack_steps(states, state.unsqueeze(1))[slot] if output_token_states else None
     return o, state, token_states
 
 
-def _recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor) -> torch.Tensor:
+def _stack_steps(steps: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Per-step [N, ...] tensors -> [N * steps, ...], sequence-major; `like` [N, L, ...] gives the shape when empty."""
+    if not steps:
+        return like.new_zeros(0, *like.shape[2:])
+    return torch.stack(steps, 1).flatten(0, 1)
+
+
+def _recurrent_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                    ) -> torch.Tensor:
     """One token for every sequence: state [N, H, K, V]; k, g: [N, H, K]; v: [N, H, V]; beta: [N, H]."""
     state = state * g.exp().unsqueeze(-1)
     residual = v - torch.einsum("nhk,nhkv->nhv", k, state)
@@ -153,16 +164,17 @@ def _intra_chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     last = cum_g[..., -1:, :]
     scores = _causal_decayed_scores(torch.stack([q, k], -2), k, cum_g)       # [B, H, C, 2, C]
     attn_qk, attn_kk = scores.unbind(-2)
-    right = beta.unsqueeze(-1) * torch.cat([k * cum_g.exp(), v], -1)
-    # A = strictly lower part of beta_i * attn_kk; unitriangular=True reads only that part and takes I + A.
-    solved = torch.linalg.solve_triangular(beta.unsqueeze(-1) * attn_kk, right, upper=False, unitriangular=True)
+    right = beta.unsqueeze(-1) * torch.cat([k * _decay(cum_g), v], -1)
+    strictly_lower = torch.ones(attn_kk.shape[-2:], dtype=torch.bool, device=attn_kk.device).tril(-1)
+    coupling = _flush_negligible((beta.unsqueeze(-1) * attn_kk).masked_fill(~strictly_lower, 0.0))
+    solved = _unit_lower_inverse(coupling) @ right
     return IntraChunkTerms(
-        q_decayed=q * cum_g.exp(),
+        q_decayed=q * _decay(cum_g),
         attn_qk=attn_qk,
         keys_to_values=solved[..., :key_dim],
         values=solved[..., key_dim:],
-        keys_to_end=k * (last - cum_g).exp(),
-        decay_total=last.squeeze(-2).exp(),
+        keys_to_end=k * _decay(last - cum_g),
+        decay_total=_decay(last.squeeze(-2)),
     )
 
 
@@ -178,14 +190,21 @@ def _causal_decayed_scores(rows: torch.Tensor, keys: torch.Tensor, cum_g: torch.
     if size <= LEAF_BLOCK or size % 2:
         return _causal_decayed_scores_elementwise(rows, keys, cum_g)
     half = size // 2
-    midpoint = cum_g[..., half - 1:half, :]                                  # G at the end of the first half
-    halves_g = cum_g.unflatten(-2, (2, half)) - torch.cat([torch.zeros_like(midpoint), midpoint], -2).unsqueeze(-2)
-    diagonal = _causal_decayed_scores(rows.unflatten(-3, (2, half)), keys.unflatten(-2, (2, half)), halves_g)
-    late_rows = rows[..., half:, :, :] * halves_g[..., 1, :, :].exp().unsqueeze(-2)
-    early_keys = keys[..., :half, :] * (midpoint - cum_g[..., :half, :]).exp()
+    rows_halves = rows.unflatten(-3, (2, half))                              # [..., 2, half, R, K]
+    keys_halves = keys.unflatten(-2, (2, half))
+    g_halves = cum_g.unflatten(-2, (2, half))
+    midpoint = g_halves[..., 0, -1:, :]                                      # G at the end of the first half
+    g_halves = g_halves - torch.cat([torch.zeros_like(midpoint), midpoint], -2).unsqueeze(-2)  # from each half's start
+    diagonal = _causal_decayed_scores(rows_halves, keys_halves, g_halves)    # [..., 2, half, R, half]
+    early_keys, _ = keys_halves.unbind(-3)
+    early_g, late_g = g_halves.unbind(-3)
+    _, late_rows = rows_halves.unbind(-4)
+    late_rows = late_rows * _decay(late_g).unsqueeze(-2)
+    early_keys = early_keys * _decay(early_g[..., -1:, :] - early_g)
     lower_left = (late_rows.flatten(-3, -2) @ early_keys.transpose(-1, -2)).unflatten(-2, late_rows.shape[-3:-1])
-    upper = torch.cat([diagonal[..., 0, :, :, :], torch.zeros_like(lower_left)], -1)
-    lower = torch.cat([lower_left, diagonal[..., 1, :, :, :]], -1)
+    upper_diagonal, lower_diagonal = diagonal.unbind(-4)
+    upper = torch.cat([upper_diagonal, torch.zeros_like(lower_left)], -1)
+    lower = torch.cat([lower_left, lower_diagonal], -1)
     return torch.cat([upper, lower], -3)
 
 
@@ -194,32 +213,63 @@ def _causal_decayed_scores_elementwise(rows: torch.Tensor, keys: torch.Tensor, c
     size = keys.shape[-2]
     causal = torch.ones(size, size, dtype=torch.bool, device=keys.device).tril()
     exponent = (cum_g.unsqueeze(-2) - cum_g.unsqueeze(-3)).masked_fill(~causal.unsqueeze(-1), -math.inf)
-    decayed_keys = exponent.exp() * keys.unsqueeze(-3)                       # [..., s (i), s (j), K]
+    decayed_keys = _decay(exponent) * keys.unsqueeze(-3)                       # [..., s (i), s (j), K]
     return rows @ decayed_keys.transpose(-1, -2)
 
 
-def _carry_state(terms: IntraChunkTerms, state: torch.Tensor, layout: ChunkLayout
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower-triangular L [..., s, s], by recursive halving:
+    [[I + L11, 0], [L21, I + L22]]^-1 = [[T11, 0], [-T22 L21 T11, T22]], with negligible entries flushed."""
+    size = lower.shape[-1]
+    if size == 1:
+        return torch.ones_like(lower)
+    if size % 2:
+        eye = torch.eye(size, dtype=lower.dtype, device=lower.device)
+        return torch.linalg.solve_triangular(lower + eye, eye, upper=False, unitriangular=True)
+    half = size // 2
+    blocks = lower.unflatten(-1, (2, half)).unflatten(-3, (2, half))          # [..., 2, half, 2, half]
+    diagonal = _unit_lower_inverse(torch.diagonal(blocks, 0, -4, -2).movedim(-1, -3))
+    upper_inverse, lower_inverse = diagonal.unbind(-3)
+    lower_left = -_flush_negligible(_flush_negligible(lower_inverse @ blocks[..., 1, :, 0, :]) @ upper_inverse)
+    top = torch.cat([upper_inverse, torch.zeros_like(upper_inverse)], -1)
+    bottom = torch.cat([lower_left, lower_inverse], -1)
+    return torch.cat([top, bottom], -2)
+
+
+def _flush_negligible(x: torch.Tensor) -> torch.Tensor:
+    """x with entries below NEGLIGIBLE in magnitude set to zero."""
+    return torch.where(x.abs() > NEGLIGIBLE, x, 0.0)
+
+
+def _decay(exponent: torch.Tensor) -> torch.Tensor:
+    """exp(exponent) for exponents <= 0, exactly zero below NEGLIGIBLE_LOG_DECAY."""
+    return torch.where(exponent > NEGLIGIBLE_LOG_DECAY, exponent, -math.inf).exp()
+
+
+def _carry_state(terms: IntraChunkTerms, state: torch.Tensor, layout: ChunkLayout, keep_leaving: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Run the state through the chunks in order, all sequences of a chunk step at once.
 
-    state: [N, H, K, V] by rank. Returns the state entering each chunk [B, H, K, V], the chunk's new
-    values u [B, H, C, V], the state leaving each chunk [B, H, K, V] (all in packed chunk order) and
-    the final state by rank [N, H, K, V].
+    state: [N, H, K, V] by rank. Returns the state entering each chunk [B, H, K, V], the chunks' new
+    values u [B, H, C, V], the state leaving each chunk [B, H, K, V] when keep_leaving (else None), all
+    in packed chunk order, and the final state by rank [N, H, K, V].
     """
     entering, new_values, leaving = [], [], []
-    for active, offset in zip(layout.active, layout.step_offset):
-        chunks = slice(offset, offset + active)
+    per_step = (x.split(layout.active) for x in (terms.values, terms.keys_to_values, terms.keys_to_end,
+                                                  terms.decay_total))
+    for values, keys_to_values, keys_to_end, decay_total in zip(*per_step):
+        active = values.shape[0]
         current = state[:active]
-        u = terms.values[chunks] - terms.keys_to_values[chunks] @ current
-        after = terms.decay_total[chunks].unsqueeze(-1) * current + terms.keys_to_end[chunks].transpose(-1, -2) @ u
+        u = values - keys_to_values @ current
+        after = decay_total.unsqueeze(-1) * current + keys_to_end.transpose(-1, -2) @ u
         entering.append(current)
         new_values.append(u)
-        leaving.append(after)
+        if keep_leaving:
+            leaving.append(after)
         state = torch.cat([after, state[active:]])
-    if not entering:
-        empty = state.new_zeros(0, *state.shape[1:])
-        return empty, terms.values, empty, state
-    return torch.cat(entering), torch.cat(new_values), torch.cat(leaving), state
+    no_states = state[:0]
+    return (torch.cat(entering or [no_states]), torch.cat(new_values or [terms.values]),
+            torch.cat(leaving or [no_states]) if keep_leaving else None, state)
 
 
 def _chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> ChunkLayout:
@@ -230,7 +280,7 @@ def _chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> 
     for position, seq in enumerate(order):
         rank[seq] = position
     active = [sum(1 for count in chunks_per_seq if count > step) for step in range(max(chunks_per_seq, default=0))]
-    step_offset = [sum(active[:step]) for step in range(len(active))]
+    step_offset = [0, *accumulate(active)][:-1]                               # first packed chunk of each step
 
     seq_of_token, pos_in_seq = _token_positions(lengths, device)
     rank_t = torch.tensor(rank, dtype=torch.int64, device=device)
@@ -245,7 +295,6 @@ def _chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> 
         order=torch.tensor(order, dtype=torch.int64, device=device),
         rank=rank_t,
         active=active,
-        step_offset=step_offset,
         full_chunks=torch.tensor(full_chunks, dtype=torch.int64, device=device),
     )
 
@@ -269,11 +318,11 @@ def _token_positions(lengths: list[int], device: torch.device) -> tuple[torch.Te
     return seq, torch.arange(seq.numel(), device=device) - starts[seq]
 
 
-def _initial_state(initial_state: torch.Tensor | None, num_seqs: int, num_heads: int, key_dim: int,
-                   value_dim: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """initial_state in the compute dtype, or zeros [N, H, K, V]."""
+def _initial_state(initial_state: torch.Tensor | None, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """initial_state in the compute dtype, or zeros of shape [N, H, K, V]."""
     if initial_state is None:
-        return torch.zeros(num_seqs, num_heads, key_dim, value_dim, dtype=dtype, device=like.device)
+        return torch.zeros(shape, dtype=dtype, device=device)
     return initial_state.to(dtype)
 
 

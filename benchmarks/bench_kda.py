@@ -1,0 +1,145 @@
+"""Chunked KDA on the CPU: kestrel's torch chunk_kda against transformers' and fla's torch references.
+
+One run, same machine, same inputs (B=8 sequences of T=1024 tokens, H=4 heads, K=V=64, float32 and
+bfloat16): forward only and forward+backward, median milliseconds per call after a warm-up, tokens per
+second, and the speed ratio against transformers' `chunk_kimi_delta_attention`. kestrel gets the batch
+as 8 packed sequences through cu_seqlens. Writes the section "kda-chunked" of docs/benchmarks.md.
+
+Run: .venv/bin/python benchmarks/bench_kda.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from kestrel.ops.torch import kda  # noqa: E402
+
+BATCH, SEQ_LEN, HEADS, HEAD_DIM = 8, 1024, 4, 64
+REPEATS = {"kestrel": 7, "transformers": 3, "fla naive": 3}
+COMMAND = ".venv/bin/python benchmarks/bench_kda.py"
+
+Inputs = dict[str, torch.Tensor]
+KdaCall = Callable[[Inputs], torch.Tensor]
+
+
+def load_transformers_chunk() -> KdaCall:
+    """transformers' torch chunk KDA. With fla importable it would route to fla's Triton kernel, so fla is
+    hidden while transformers' module is imported (the choice is made at import time)."""
+    hidden = {name: module for name, module in sys.modules.items() if name == "fla" or name.startswith("fla.")}
+    sys.modules["fla"] = None
+    try:
+        from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+    def run(x: Inputs) -> torch.Tensor:
+        return chunk_kimi_delta_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
+    return run
+
+
+def load_fla_naive_chunk() -> KdaCall:
+    from fla.ops.kda.naive import naive_chunk_kda
+
+    def run(x: Inputs) -> torch.Tensor:
+        return naive_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])[0]
+    return run
+
+
+def kestrel_chunk(x: Inputs) -> torch.Tensor:
+    """kestrel's chunk_kda on the batch packed as BATCH sequences of SEQ_LEN tokens."""
+    flat = {name: t.flatten(0, 1) for name, t in x.items()}
+    cu_seqlens = torch.arange(BATCH + 1, dtype=torch.int64) * SEQ_LEN
+    o = kda.chunk_kda(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], cu_seqlens)[0]
+    return o.unflatten(0, (BATCH, SEQ_LEN))
+
+
+def make_inputs(dtype: torch.dtype) -> Inputs:
+    """[B, T, H, D] inputs: L2-normalised q, k; sigmoid beta; the K3 lower-bounded gate -5 * sigmoid(x) (float32)."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (BATCH, SEQ_LEN, HEADS, HEAD_DIM)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator)
+
+    return {
+        "q": F.normalize(randn(*shape), dim=-1).to(dtype),
+        "k": F.normalize(randn(*shape), dim=-1).to(dtype),
+        "v": randn(*shape).to(dtype),
+        "g": -5.0 * randn(*shape).sigmoid(),
+        "beta": randn(*shape[:3]).sigmoid().to(dtype),
+    }
+
+
+def time_call(call: KdaCall, inputs: Inputs, backward: bool, repeats: int) -> float:
+    """Median seconds per call after one warm-up call."""
+    grad_out = torch.randn(inputs["v"].shape, generator=torch.Generator().manual_seed(1)).to(inputs["v"].dtype)
+    leaves = {name: t.detach().requires_grad_(backward) for name, t in inputs.items()}
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        with torch.set_grad_enabled(backward):
+            o = call(leaves)
+            if backward:
+                o.backward(grad_out)
+        times.append(time.perf_counter() - start)
+        for leaf in leaves.values():
+            leaf.grad = None
+    return statistics.median(times[1:])
+
+
+def max_output_difference(call: KdaCall, reference: KdaCall, inputs: Inputs) -> float:
+    with torch.no_grad():
+        return (call(inputs).float() - reference(inputs).float()).abs().max().item()
+
+
+def main() -> None:
+    transformers_chunk = load_transformers_chunk()
+    implementations = {"kestrel": kestrel_chunk, "transformers": transformers_chunk,
+                       "fla naive": load_fla_naive_chunk()}
+    tokens = BATCH * SEQ_LEN
+    header = ["implementation", "dtype", "pass", "ms / call", "tokens / s", "speed vs transformers",
+              "max abs diff of o vs transformers"]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = make_inputs(dtype)
+        differences = {name: max_output_difference(call, transformers_chunk, inputs)
+                       for name, call in implementations.items()}
+        for backward, label in ((True, "fwd+bwd"), (False, "fwd")):
+            seconds = {name: time_call(call, inputs, backward, REPEATS[name]) for name, call in implementations.items()}
+            for name in implementations:
+                rows.append([name, str(dtype).removeprefix("torch."), label, f"{seconds[name] * 1e3:.0f}",
+                             f"{tokens / seconds[name]:,.0f}", f"{seconds['transformers'] / seconds[name]:.1f}x",
+                             f"{differences[name]:.1e}"])
+                print(" | ".join(rows[-1]), flush=True)
+    table = markdown_table(header, rows)
+    print(table)
+    write_section("kda-chunked", f"""## KDA chunked (CPU, torch reference)
+
+kestrel's `ops.torch.kda.chunk_kda` against transformers' `chunk_kimi_delta_attention` (torch fallback) and
+fla's `naive_chunk_kda`, on the same inputs: B={BATCH} sequences x T={SEQ_LEN} tokens, H={HEADS}, K=V={HEAD_DIM},
+chunk size 64 (kestrel: recursive halving down to {kda.LEAF_BLOCK}-token blocks), K3 lower-bounded gate.
+Median of {REPEATS['kestrel']} (kestrel) / {REPEATS['transformers']} (others) calls after one warm-up;
+fwd+bwd backpropagates a fixed random output gradient to q, k, v, g, beta. All three compute in float32;
+bfloat16 rows feed bfloat16 q, k, v, beta.
+
+{machine()}
+
+{table}
+
+Rerun: `{COMMAND}`
+""")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""kestrel: a serving stack for the Kimi K3 model family (Kimi K3.1 Pro, Kimi K3, Kimi-Linear-48B-A3B)."""

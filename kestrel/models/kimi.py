@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import KDA, ModelConfig
+from ..config import KDA, MLA, ModelConfig
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..layers.kda import KimiDeltaAttention
@@ -76,7 +76,7 @@ class MTPLayer(DecoderLayer):
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, cache_index: int):
-        super().__init__(config, layer_id, "mla", cache_index, attn_res=False, with_indexer=False)
+        super().__init__(config, layer_id, MLA, cache_index, attn_res=False, with_indexer=False)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
@@ -103,12 +103,12 @@ class KimiTextModel(nn.Module):
         attn_res = config.attn_res_block_size is not None
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         layers: list[nn.Module] = []
-        counts = {"kda": 0, "mla": 0}
+        counts = {KDA: 0, MLA: 0}
         for i, kind in enumerate(config.layer_types):
             layers.append(DecoderLayer(config, i, kind, counts[kind], attn_res, config.has_indexer))
             counts[kind] += 1
         for j in range(config.num_nextn_predict_layers):
-            layers.append(MTPLayer(config, config.num_hidden_layers + j, counts["mla"] + j))
+            layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if attn_res:

@@ -13,6 +13,9 @@ import torch
 
 from ..config import ModelConfig
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
 
 @dataclass
 class KDAState:
@@ -23,11 +26,50 @@ class KDAState:
 
 
 @dataclass
-class MLAPages:
-    """One MLA layer's paged cache, flattened to rows (row = page * page_size + offset)."""
+class PagedRows:
+    """Per-token vectors in pages, flattened to rows (row = page * page_size + offset).
 
-    latent: torch.Tensor              # [pages * page_size, kv_lora_rank + qk_rope_head_dim]
-    index_keys: torch.Tensor | None   # [pages * page_size, index_head_dim] when the layer has an indexer
+    Stored as is, or as FP8 E4M3 with one fp32 scale per row (amax / 448), dequantized on read.
+    """
+
+    values: torch.Tensor                 # [pages * page_size, D]
+    scales: torch.Tensor | None = None   # [pages * page_size] when values are FP8
+
+    @classmethod
+    def allocate(cls, rows: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> PagedRows:
+        values = torch.zeros(rows, dim, dtype=dtype, device=device)
+        scales = torch.ones(rows, dtype=torch.float32, device=device) if dtype == FP8 else None
+        return cls(values, scales)
+
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """Store x [R, D] at rows [R]."""
+        x = x.detach()
+        if self.scales is None:
+            self.values[rows] = x.to(self.values.dtype)
+            return
+        scale = x.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+        self.values[rows] = (x.float() / scale.unsqueeze(-1)).to(FP8)
+        self.scales[rows] = scale
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The vectors at rows [...] -> [..., D] in dtype."""
+        if self.scales is None:
+            return self.values[rows].to(dtype)
+        return (self.values[rows].float() * self.scales[rows].unsqueeze(-1)).to(dtype)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows src [R] to rows dst [R] (copy-on-write of a shared page)."""
+        self.values[dst] = self.values[src]
+        if self.scales is not None:
+            self.scales[dst] = self.scales[src]
+
+
+@dataclass
+class MLAPages:
+    """One MLA layer's paged cache: 512 + 64 latent values per token, and the indexer's keys when it has one."""
+
+    latent: PagedRows
+    index_keys: PagedRows | None
 
 
 @dataclass
@@ -41,19 +83,38 @@ class HybridCache:
     @classmethod
     def allocate(cls, config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> HybridCache:
-        """Zeroed storage for num_slots sequences' KDA state and num_pages pages of MLA cache."""
+                 kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> HybridCache:
+        """Zeroed storage for num_slots sequences' KDA state and num_pages pages of MLA cache.
+
+        dtype: the conv state's (the model's activations); state_dtype: the recurrent state's; kv_dtype: the paged
+        cache's (default dtype; torch.float8_e4m3fn stores FP8 with a scale per token).
+        """
         hk = config.kda_num_heads * config.kda_head_dim
         kda = [KDAState(
             conv=torch.zeros(num_slots, config.conv_kernel_size - 1, 3 * hk, dtype=dtype, device=device),
             recurrent=torch.zeros(num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
                                   dtype=state_dtype, device=device),
         ) for _ in config.kda_layers]
-        rows = num_pages * page_size
+        rows, kv_dtype = num_pages * page_size, kv_dtype or dtype
         num_mla = len(config.mla_layers) + config.num_nextn_predict_layers
         mla = [MLAPages(
-            latent=torch.zeros(rows, config.kv_cache_dim, dtype=dtype, device=device),
-            index_keys=(torch.zeros(rows, config.index_head_dim, dtype=dtype, device=device)
+            latent=PagedRows.allocate(rows, config.kv_cache_dim, kv_dtype, device),
+            index_keys=(PagedRows.allocate(rows, config.index_head_dim, kv_dtype, device)
                         if config.has_indexer and j < len(config.mla_layers) else None),
         ) for j in range(num_mla)]
         return cls(kda=kda, mla=mla, page_size=page_size)
+
+
+def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
+    """Recurrent state (ssm_dtype) plus conv state (the model dtype) of every KDA layer, for one sequence."""
+    h, d = config.kda_num_heads, config.kda_head_dim
+    per_layer = h * d * d * ssm_dtype.itemsize + (config.conv_kernel_size - 1) * 3 * h * d * dtype.itemsize
+    return len(config.kda_layers) * per_layer
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """Latents (+ indexer keys) of every MLA layer, MTP layers included, for one token; FP8 adds a scale each."""
+    scale = 4 if kv_dtype == FP8 else 0
+    latent = config.kv_cache_dim * kv_dtype.itemsize + scale
+    keys = config.index_head_dim * kv_dtype.itemsize + scale if config.has_indexer else 0
+    return len(config.mla_layers) * (latent + keys) + config.num_nextn_predict_layers * latent

@@ -124,12 +124,12 @@ class GatedMLA(nn.Module):
             keys = batch.to_padded(index_keys) if index_keys is not None else None
             return batch.to_padded(latent), keys
         pages = cache.mla[self.mla_index]
-        pages.latent[batch.kv_write_index] = latent.detach().to(pages.latent.dtype)
-        context = pages.latent[batch.kv_read_index].to(latent.dtype)
+        pages.latent.write(batch.kv_write_index, latent)
+        context = pages.latent.read(batch.kv_read_index, latent.dtype)
         keys = None
         if index_keys is not None:
-            pages.index_keys[batch.kv_write_index] = index_keys.detach().to(pages.index_keys.dtype)
-            keys = pages.index_keys[batch.kv_read_index].to(index_keys.dtype)
+            pages.index_keys.write(batch.kv_write_index, index_keys)
+            keys = pages.index_keys.read(batch.kv_read_index, index_keys.dtype)
         return context, keys
 
     @staticmethod

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import ModelConfig
+from ..layers.cache import kv_bytes_per_token, state_bytes_per_slot
 from .checkpoint import build_model
 
 MXFP4 = "mxfp4"
@@ -28,7 +29,7 @@ class ModelReport:
     routed_expert_params: int            # all routed experts
     mtp_params: int
     weight_bytes: dict[str, int]         # storage by format: bfloat16, float32, mxfp4 (values and scales)
-    kv_bytes_per_token: int              # MLA latents (+ indexer keys) of all MLA layers, in the model dtype
+    kv_bytes_per_token: int              # MLA latents (+ indexer keys) of all MLA layers (MTP too), model dtype
     state_bytes_per_sequence: int        # KDA recurrent state (fp32) + conv state (model dtype), all KDA layers
 
     def as_dict(self) -> dict:
@@ -66,8 +67,8 @@ def inspect_config(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> 
         routed_expert_params=routed,
         mtp_params=mtp,
         weight_bytes=weight_bytes,
-        kv_bytes_per_token=_kv_bytes_per_token(config, dtype),
-        state_bytes_per_sequence=_state_bytes(config, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype),
+        state_bytes_per_sequence=state_bytes_per_slot(config, dtype, torch.float32),
     )
 
 
@@ -80,15 +81,3 @@ def _layer_counts(config: ModelConfig) -> dict[str, int]:
     return {"kda": len(config.kda_layers), "mla": len(config.mla_layers),
             "indexer": len(config.mla_layers) if config.has_indexer else 0,
             "moe": moe, "dense": config.num_hidden_layers - moe, "mtp": config.num_nextn_predict_layers}
-
-
-def _kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    per_layer = config.kv_cache_dim + (config.index_head_dim if config.has_indexer else 0)
-    return len(config.mla_layers) * per_layer * dtype.itemsize
-
-
-def _state_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    h, d = config.kda_num_heads, config.kda_head_dim
-    recurrent = h * d * d * 4
-    conv = (config.conv_kernel_size - 1) * 3 * h * d * dtype.itemsize
-    return len(config.kda_layers) * (recurrent + conv)

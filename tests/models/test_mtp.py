@@ -26,4 +26,4 @@ def test_mtp_with_cache_equals_full_forward():
             h = model(seq[start:end], batch, cache)
             got.append(model.mtp_logits(h, seq[start + 1:end + 1], batch, cache))
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=0)
-    assert cache.mla[-1].index_keys is None and cache.mla[-1].latent[:29].abs().sum() > 0
+    assert cache.mla[-1].index_keys is None and cache.mla[-1].latent.values[:29].abs().sum() > 0

@@ -1,0 +1,75 @@
+"""Engine arguments, named as SGLang names them so that users can carry their launch settings over."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@dataclass
+class EngineArgs:
+    """How the engine loads the model, sizes its pools and schedules.
+
+    Memory follows SGLang: `mem_fraction_static` of the device's memory holds the weights and both pools; what
+    the weights leave is split between KDA state and KV in the ratio `mamba_full_memory_ratio` (state : KV), unless
+    `max_mamba_cache_size` fixes the number of state slots.
+    """
+
+    model: str
+    dtype: str = "auto"                          # auto (the checkpoint's), float32, bfloat16
+    device: str = "cpu"
+    mem_fraction_static: float | None = None     # default: 0.85 on CUDA, 0.1 of RAM on CPU
+    mamba_full_memory_ratio: float = 0.9
+    max_mamba_cache_size: int | None = None
+    max_total_tokens: int | None = None          # caps the KV pool (tokens)
+    mamba_ssm_dtype: str = "float32"
+    kv_cache_dtype: str = "auto"                 # auto (the model dtype), bfloat16, fp8_e4m3
+    max_running_requests: int | None = None
+    page_size: int = 16
+    context_length: int | None = None            # default: the model's max_position_embeddings
+    chunked_prefill_size: int = 2048             # most prompt tokens of one request per step
+    max_prefill_tokens: int = 8192               # most tokens (prefill and decode) in one step
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}"),
+            (self.mem_fraction_static is None or 0 < self.mem_fraction_static <= 1, "mem_fraction_static",
+             "in (0, 1]"),
+            (self.mamba_full_memory_ratio > 0, "mamba_full_memory_ratio", "positive"),
+            (self.max_mamba_cache_size is None or self.max_mamba_cache_size >= 1, "max_mamba_cache_size",
+             "at least 1"),
+            (self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens", "at least 1"),
+            (self.mamba_ssm_dtype in SSM_DTYPES, "mamba_ssm_dtype", f"one of {', '.join(SSM_DTYPES)}"),
+            (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype", f"one of auto, {', '.join(KV_DTYPES)}"),
+            (self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests",
+             "at least 1"),
+            (self.page_size >= 1, "page_size", "at least 1"),
+            (self.context_length is None or self.context_length >= 1, "context_length", "at least 1"),
+            (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
+        ]
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add `--model` and every engine flag (SGLang spellings) to parser."""
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            kind = {"int | None": int, "float | None": float, "int": int, "float": float}.get(str(f.type), str)
+            if f.name == "model":
+                parser.add_argument(flag, help="model folder")
+            else:
+                parser.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

@@ -1,0 +1,53 @@
+"""Paged MLA KV: pages of page_size tokens, reference-counted so that forked sequences share their prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from ...layers.cache import HybridCache
+
+
+class KVPool:
+    """Hands out pages of a HybridCache's MLA cache (all MLA layers' latents and indexer keys at once)."""
+
+    def __init__(self, cache: HybridCache, num_pages: int):
+        self.cache = cache
+        self.num_pages = num_pages
+        self.page_size = cache.page_size
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages needed to hold `tokens` tokens."""
+        return -(-tokens // self.page_size)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` pages; the caller checks num_free first."""
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self._refs[page] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more owner for each page."""
+        for page in pages:
+            self._refs[page] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one owner of each page; a page with none left is free again."""
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page src's contents to page dst in every MLA layer."""
+        rows = torch.arange(self.page_size)
+        for layer in self.cache.mla:
+            for paged in (layer.latent, layer.index_keys):
+                if paged is not None:
+                    paged.copy_rows(src * self.page_size + rows, dst * self.page_size + rows)

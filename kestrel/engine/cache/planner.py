@@ -1,0 +1,102 @@
+"""Turns a memory budget into pool sizes: weights first, the rest split between KDA state slots and KV tokens.
+
+SGLang's semantics: the budget is mem_fraction_static of the device's memory; the weights come off it; the rest
+is divided so that state bytes : KV bytes = mamba_full_memory_ratio, unless max_mamba_cache_size fixes the slots;
+max_total_tokens caps the KV pool.
+Every running sequence holds one state slot (no prefix cache yet), so the slots cap the concurrency.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...config import ModelConfig
+from ...layers.cache import kv_bytes_per_token, state_bytes_per_slot
+from ..args import EngineArgs
+
+
+class MemoryPlanError(ValueError):
+    """The budget cannot hold the model and at least one sequence."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device_memory: int
+    budget: int                   # device_memory * mem_fraction_static
+    weight_bytes: int
+    state_bytes_per_slot: int
+    kv_bytes_per_token: int
+    num_slots: int
+    num_pages: int
+    page_size: int
+    max_running_requests: int
+    context_length: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def state_pool_bytes(self) -> int:
+        return self.num_slots * self.state_bytes_per_slot
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+    def describe(self) -> str:
+        """The start-up log block."""
+        gib = 2**30
+        return "\n".join([
+            f"memory plan: {self.budget / gib:.2f} GiB of {self.device_memory / gib:.2f} GiB; "
+            f"weights {self.weight_bytes / gib:.3f} GiB",
+            f"  KV cache: {self.kv_bytes_per_token:,} B per token, {self.kv_tokens:,} tokens in {self.num_pages:,} "
+            f"pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)",
+            f"  KDA state: {self.state_bytes_per_slot:,} B per slot, {self.num_slots:,} slots "
+            f"({self.state_pool_bytes / gib:.3f} GiB)",
+            f"  concurrency cap: {self.max_running_requests:,} running requests; context length "
+            f"{self.context_length:,} tokens",
+        ])
+
+
+def device_memory(device: torch.device) -> int:
+    """Total memory of the device: GPU memory on CUDA, physical RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory: int, dtype: torch.dtype,
+                ssm_dtype: torch.dtype, kv_dtype: torch.dtype) -> MemoryPlan:
+    """Pool sizes for `memory` bytes of device memory (see the module docstring)."""
+    fraction = args.mem_fraction_static or (0.85 if args.device.startswith("cuda") else 0.1)
+    budget = int(memory * fraction)
+    rest = budget - weight_bytes
+    if rest <= 0:
+        raise MemoryPlanError(f"the weights need {weight_bytes / 2**30:.2f} GiB but mem_fraction_static {fraction} "
+                              f"of {memory / 2**30:.2f} GiB leaves only {budget / 2**30:.2f} GiB; raise "
+                              "--mem-fraction-static or use a device with more memory.")
+    per_slot = state_bytes_per_slot(config, dtype, ssm_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    if args.max_mamba_cache_size is not None:
+        slots = args.max_mamba_cache_size
+        kv_budget = rest - slots * per_slot
+    else:
+        ratio = args.mamba_full_memory_ratio
+        slots = int(rest * ratio / (1 + ratio)) // per_slot
+        kv_budget = rest - slots * per_slot
+    pages = max(kv_budget, 0) // (per_token * args.page_size)
+    if args.max_total_tokens is not None:
+        pages = min(pages, args.max_total_tokens // args.page_size)
+    if slots < 1 or pages < 1:
+        raise MemoryPlanError(f"{rest / 2**30:.3f} GiB after the weights holds {slots} state slots of "
+                              f"{per_slot:,} B and {pages} KV pages of {args.page_size} x {per_token:,} B; at least "
+                              "one of each is needed: raise --mem-fraction-static or change the state:KV ratio.")
+    context = min(args.context_length or config.max_position_embeddings, pages * args.page_size)
+    running = min(args.max_running_requests or slots, slots)
+    return MemoryPlan(device_memory=memory, budget=budget, weight_bytes=weight_bytes, state_bytes_per_slot=per_slot,
+                      kv_bytes_per_token=per_token, num_slots=slots, num_pages=pages, page_size=args.page_size,
+                      max_running_requests=running, context_length=context)

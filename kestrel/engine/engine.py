@@ -1,0 +1,221 @@
+"""The engine loop: admit requests, run scheduled steps, sample, detokenize, stop, and release memory at once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from ..layers.cache import HybridCache
+from ..models.checkpoint import load_model
+from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
+from .cache.kv_pool import KVPool
+from .cache.planner import device_memory, plan_memory
+from .cache.state_pool import StatePool
+from .model_runner import ModelRunner
+from .outputs import Logprob, RequestOutput, TokenLogprobs
+from .request import Request, Sequence, Status
+from .sampling import SampleResult, SamplingParams, SamplingRow, gather_logprobs, new_generator, raw_logprobs, sample
+from .scheduler import ScheduledChunk, Scheduler
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("kestrel")
+
+
+class LLMEngine:
+    """Continuous batching over one model: add_request, then step() until has_unfinished_requests() is False."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        folder, device = Path(args.model), torch.device(args.device)
+        self.model = load_model(folder, None if args.dtype == "auto" else DTYPES[args.dtype], device)
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+        if self.tokenizer is not None:
+            self.eos_token_ids = self.tokenizer.eos_token_ids
+        else:
+            self.eos_token_ids = [] if self.config.eos_token_id is None else [self.config.eos_token_id]
+        dtype = self.model.lm_head.weight.dtype
+        ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
+        weights = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
+        self.plan = plan_memory(self.config, args, sum(weights.values()), device_memory(device), dtype, ssm_dtype,
+                                kv_dtype)
+        log.info(self.plan.describe())
+        self.cache = HybridCache.allocate(self.config, self.plan.num_slots, self.plan.num_pages, self.plan.page_size,
+                                          dtype, ssm_dtype, kv_dtype, device)
+        self.scheduler = Scheduler(StatePool(self.cache, self.plan.num_slots), KVPool(self.cache, self.plan.num_pages),
+                                   self.plan.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        torch.manual_seed(args.seed)
+
+    @property
+    def context_length(self) -> int:
+        return self.plan.context_length
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request; a ValueError (one sentence) if it can never run, before it takes any memory."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        ids = self._prompt_ids(prompt)
+        room = self.context_length - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room in the context length of "
+                             f"{self.context_length} tokens.")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length of {self.context_length} tokens.")
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                          next(self._arrivals), priority)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[request_id] = request
+        self.scheduler.add(self._new_sequence(request))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is (queued, prefilling, decoding); its memory is free on return."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
+        logits = self.runner.run(chunks, all_rows)
+        touched: dict[str, Request] = {}
+        to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
+            chunk.seq.num_computed += chunk.length
+            if i in all_rows:
+                self._record_prompt_logprobs(chunk, chunk_logits)
+            if chunk.samples:
+                for seq in [chunk.seq, *self._fork(chunk.seq)]:
+                    to_sample.append((seq, chunk_logits[-1]))
+                touched[chunk.seq.request.request_id] = chunk.seq.request
+        if to_sample:
+            self._sample_and_append(to_sample)
+        for request_id, request in touched.items():
+            if request.finished:
+                self.requests.pop(request_id, None)
+        return [request.output() for request in touched.values()]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.args.model} has no tokenizer.json, so prompts must be token ids.")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty.")
+        vocab = self.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}).")
+        return ids
+
+    def _new_sequence(self, request: Request) -> Sequence:
+        index = len(request.sequences)
+        params = request.params
+        generator = new_generator(params.seed + index) if params.seed is not None else None
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, params.skip_special_tokens,
+                                                 params.stop, params.include_stop_str_in_output)
+        seq = Sequence(request, index, generator, detokenizer)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        request.sequences.append(seq)
+        return seq
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The n-1 sibling sequences of an n > 1 request, started from seq's state once its prompt is done."""
+        children = []
+        for _ in range(seq.forks_pending):
+            child = self._new_sequence(seq.request)
+            self.scheduler.fork(seq, child)
+            children.append(child)
+        return [c for c in children if c.status is Status.RUNNING]
+
+    def _sample_and_append(self, targets: list[tuple[Sequence, torch.Tensor]]) -> None:
+        rows = [SamplingRow(s.request.params, s.request.prompt_ids, s.output_ids, s.generator, self.eos_token_ids)
+                for s, _ in targets]
+        result = sample(torch.stack([logits for _, logits in targets]), rows)
+        for i, (seq, _) in enumerate(targets):
+            self._append(seq, int(result.token_ids[i]), result, i)
+
+    def _append(self, seq: Sequence, token: int, result: SampleResult, row: int) -> None:
+        params = seq.request.params
+        seq.output_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(result, row, params.logprobs))
+            seq.cumulative_logprob += float(result.logprobs[row])
+        detokenizer = seq.detokenizer
+        if token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(seq, "stop", None)
+        else:
+            if detokenizer is not None:
+                detokenizer.add(token)
+                seq.text = detokenizer.text
+            if detokenizer is not None and detokenizer.stop_string is not None:
+                self._finish(seq, "stop", detokenizer.stop_string)
+            elif (params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens) \
+                    or seq.num_tokens >= self.context_length:
+                self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
+            seq.text = seq.detokenizer.text
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _logprob_entry(self, result: SampleResult, row: int, num_top: int) -> TokenLogprobs:
+        """The chosen token's raw logprob and rank, plus the top num_top alternatives."""
+        entry = {int(result.token_ids[row]): Logprob(float(result.logprobs[row]), int(result.ranks[row]),
+                                                     self._token_text(int(result.token_ids[row])))}
+        for rank, (token, logprob) in enumerate(zip(result.top_ids[row, :num_top].tolist(),
+                                                    result.top_logprobs[row, :num_top].tolist()), 1):
+            entry.setdefault(token, Logprob(logprob, rank, self._token_text(token)))
+        return entry
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.token_text(token) if self.tokenizer is not None else None
+
+    def _needs_prompt_logprobs(self, chunk: ScheduledChunk) -> bool:
+        request = chunk.seq.request
+        recorded = request.prompt_logprobs
+        return (recorded is not None and chunk.seq.index == 0 and len(recorded) < len(request.prompt_ids)
+                and chunk.start < len(request.prompt_ids))
+
+    def _record_prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Logprobs of prompt token p+1 from the logits at position p, for positions not recorded before."""
+        request = chunk.seq.request
+        prompt, recorded = request.prompt_ids, request.prompt_logprobs
+        first = max(chunk.start, len(recorded) - 1)                 # position whose logits predict the next entry
+        last = min(chunk.start + chunk.length, len(prompt) - 1)       # one past the last such position
+        if first >= last:
+            return
+        targets = torch.tensor(prompt[first + 1:last + 1], device=logits.device)
+        rows = logits[first - chunk.start:last - chunk.start]
+        result = gather_logprobs(raw_logprobs(rows), targets, request.params.prompt_logprobs)
+        for row in range(last - first):
+            recorded.append(self._logprob_entry(result, row, request.params.prompt_logprobs))

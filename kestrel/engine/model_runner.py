@@ -1,0 +1,43 @@
+"""Runs one scheduled step: one flat batch of every chunk's tokens through the model, logits where needed."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.batch import ForwardBatch
+from ..layers.cache import HybridCache
+from ..models.kimi import KimiForCausalLM
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    """Builds the ForwardBatch (token ids, prefix lengths, state slots, page-table rows) and runs the model."""
+
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache):
+        self.model = model
+        self.cache = cache
+        self.device = model.lm_head.weight.device
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], all_rows: set[int]) -> list[torch.Tensor | None]:
+        """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
+        every position), [1, vocab] at the last token for chunks that sample, None for the rest."""
+        lens = [c.length for c in chunks]
+        width = max(len(c.seq.pages) for c in chunks)
+        table = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
+        batch = ForwardBatch.build(lens, [c.start for c in chunks], [c.seq.slot for c in chunks], table,
+                                   self.cache.page_size, self.device)
+        ids = torch.tensor([t for c in chunks for t in c.seq.tokens(c.start, c.start + c.length)],
+                           device=self.device)
+        hidden = self.model(ids, batch, self.cache)
+        ends = batch.cu_seqlens[1:].tolist()
+        wanted = [i for i, c in enumerate(chunks) if i in all_rows or c.samples]
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        if not wanted:
+            return out
+        rows = [torch.arange(ends[i] - chunks[i].length if i in all_rows else ends[i] - 1, ends[i],
+                             device=self.device) for i in wanted]
+        logits = self.model.compute_logits(hidden[torch.cat(rows)]).split([len(r) for r in rows])
+        for i, chunk_logits in zip(wanted, logits):
+            out[i] = chunk_logits
+        return out

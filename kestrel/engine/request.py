@@ -1,0 +1,88 @@
+"""Requests and their sequences as the engine tracks them: tokens, cache holdings, progress, results."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # holds a state slot and KV pages
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its n continuations. The first sequence prefills the prompt; the other n-1 fork from it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int                      # admission order among equal priorities
+    priority: int = 0                 # lower runs first
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.status is Status.FINISHED for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+            prompt_logprobs=self.prompt_logprobs, outputs=[s.output() for s in self.sequences],
+            finished=self.finished)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One continuation. Its tokens are the prompt then output_ids; the first num_computed are in its caches."""
+
+    request: Request
+    index: int
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    reserved_slots: list[int] = field(default_factory=list)   # slots held for the n-1 sequences still to fork
+    num_computed: int = 0
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions start..end-1 of prompt + output."""
+        prompt = self.request.prompt_ids
+        return (prompt + self.output_ids)[start:end] if end > len(prompt) else prompt[start:end]
+
+    @property
+    def priority_key(self) -> tuple[int, int, int]:
+        return self.request.priority, self.request.arrival, self.index
+
+    @property
+    def forks_pending(self) -> int:
+        """Sequences of this request still to fork from this one (only the first sequence, before its first token)."""
+        request = self.request
+        return request.params.n - len(request.sequences) if self.index == 0 else 0
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason)

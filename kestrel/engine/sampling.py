@@ -1,0 +1,297 @@
+"""The sampling step: per-request parameters, and a batch of logits turned into next tokens and logprobs.
+
+`SamplingParams` keeps vLLM's field names and semantics. `sample` follows vLLM v1's order: stop tokens
+masked until `min_tokens`, then penalties (repetition on prompt+output, then frequency and presence on
+the output), then greedy argmax, or temperature, min_p, top_k and top_p (one sort) and a draw. Draws use
+the exponential race: argmax_i p_i / q_i with q_i ~ Exponential(1) picks token i with probability p_i,
+and each seeded row draws its q from its own `torch.Generator`, so its tokens do not depend on the rest
+of the batch; unseeded rows share the default generator and greedy rows draw nothing. Reported logprobs
+are raw: log_softmax of the model's logits before any of these steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5
+"""Temperatures below this mean greedy decoding (vLLM's threshold)."""
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(ok: bool, field: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}.")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request (vLLM's fields and defaults)."""
+
+    n: int = 1
+    temperature: float = 1.0          # below 1e-5: greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # on prompt and output tokens: logit > 0 -> logit / p, else logit * p
+    presence_penalty: float = 0.0     # on output tokens: logit -= p if the token occurred
+    frequency_penalty: float = 0.0    # on output tokens: logit -= p * count
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None       # alternatives reported besides the chosen token (0: chosen only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_penalties()
+        self._check_stopping()
+        self._check_output()
+
+    def _check_sampling(self) -> None:
+        _require(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _require(_is_real(self.temperature) and self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
+                 "an integer >= 1, or 0 or -1 to disable it", self.top_k)
+        _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _require(self.seed is None or (_is_int(self.seed) and _SEED_MIN <= self.seed <= _SEED_MAX), "seed",
+                 "null or an integer in [-2**63, 2**64 - 1]", self.seed)
+        self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
+        self.top_k = max(self.top_k, 0)
+
+    def _check_penalties(self) -> None:
+        _require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 "> 0", self.repetition_penalty)
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            _require(_is_real(value) and -2 <= value <= 2, field, "in [-2, 2]", value)
+            setattr(self, field, float(value))
+        self.repetition_penalty = float(self.repetition_penalty)
+
+    def _check_stopping(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _require(stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
+                 "stop", "a non-empty string or a list of non-empty strings", self.stop)
+        self.stop = list(stop or [])
+        ids = self.stop_token_ids
+        _require(ids is None or (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)),
+                 "stop_token_ids", "a list of token ids (integers >= 0)", ids)
+        self.stop_token_ids = list(ids or [])
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+                 "null or an integer >= 1", self.max_tokens)
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+
+    def _check_output(self) -> None:
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            _require(value is None or (_is_int(value) and value >= 0), field, "null or an integer >= 0", value)
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, field), bool), field, "true or false", getattr(self, field))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the temperature is (near) zero: the argmax token is taken and no randomness is drawn."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def penalised(self) -> bool:
+        """True when any of the repetition, presence or frequency penalties changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None       # per-request generator when params.seed is set
+    eos_token_ids: Sequence[int] = ()       # blocked with params.stop_token_ids until min_tokens (unless ignore_eos)
+
+
+@dataclass
+class SampleResult:
+    """Chosen tokens with their raw logprobs, ranks and the top-N raw alternatives per row."""
+
+    token_ids: torch.Tensor         # [R] int64
+    logprobs: torch.Tensor          # [R] fp32, raw logprob of the chosen token
+    ranks: torch.Tensor             # [R] int64, 1-based rank of the chosen token under the raw logprobs
+    top_ids: torch.Tensor           # [R, N] int64, N = max requested logprobs in the batch
+    top_logprobs: torch.Tensor      # [R, N] fp32
+
+
+def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` seeded with `seed`, for one seeded request; it advances with each draw."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> log_softmax over V in fp32 [..., V]: what `logprobs` and `prompt_logprobs` report."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SampleResult:
+    """logprobs [T, V] fp32, token_ids [T] int64 -> each token's logprob and rank, and the top `num_top`.
+
+    The rank is the number of tokens whose logprob is >= the token's own, so ties count against it (as in
+    vLLM). Serves prompt logprobs too: pass raw_logprobs of the prompt logits and the prompt's next tokens.
+    """
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs >= chosen[:, None]).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return SampleResult(token_ids, chosen, ranks, top_ids, top_logprobs)
+
+
+def _token_counts(sequences: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each sequence: [S, V] fp32, by one scatter_add."""
+    counts = torch.zeros(len(sequences) * vocab_size, device=device)
+    flat = [row * vocab_size + token for row, seq in enumerate(sequences) for token in seq]
+    index = torch.tensor(flat, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, index, torch.ones(len(flat), device=device))
+    return counts.view(len(sequences), vocab_size)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row scalars as an fp32 column [S, 1] that broadcasts over the vocabulary."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place on logits [R, V]: -inf on each row's stop tokens (and EOS unless ignore_eos) until min_tokens."""
+    pairs = []
+    for i, row in enumerate(rows):
+        if len(row.output_ids) < row.params.min_tokens:
+            stops = list(row.params.stop_token_ids) + ([] if row.params.ignore_eos else list(row.eos_token_ids))
+            pairs += [(i, token) for token in stops if token < logits.shape[1]]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.int64, device=logits.device)
+        logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits [R, V] fp32 -> penalised logits [R, V]: repetition on prompt+output tokens, then frequency and
+    presence on output tokens. Every row gets its own penalties; rows without any are left as they are."""
+    picked = [i for i, row in enumerate(rows) if row.params.penalised]
+    if not picked:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    sub = [rows[i] for i in picked]
+    index = torch.tensor(picked, dtype=torch.int64, device=device)
+    x = logits[index]
+    out_counts = _token_counts([row.output_ids for row in sub], vocab_size, device)
+    seen = (_token_counts([row.prompt_ids for row in sub], vocab_size, device) > 0) | (out_counts > 0)
+    rep = _column([row.params.repetition_penalty for row in sub], device)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - _column([row.params.frequency_penalty for row in sub], device) * out_counts
+    x = x - _column([row.params.presence_penalty for row in sub], device) * (out_counts > 0).float()
+    logits = logits.clone()
+    logits[index] = x
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [S, V], min_p [S, 1] -> logits with -inf where prob < min_p * the row's max prob."""
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p_drop: torch.Tensor) -> torch.Tensor:
+    """logits [S, V]; top_k [S] int64 in 1..V; top_p_drop [S, 1] fp32 = 1 - top_p -> truncated logits [S, V].
+
+    One ascending sort serves both: top_k keeps tokens >= the k-th largest logit (ties at the edge stay);
+    top_p then keeps the smallest set of most likely tokens whose renormalised mass reaches top_p, i.e.
+    drops each token whose ascending cumulative prob is <= 1 - top_p, always keeping the most likely one.
+    """
+    ordered, order = logits.sort(dim=-1)
+    kth = ordered.gather(1, (logits.shape[1] - top_k)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= top_p_drop
+    drop[:, -1] = False
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def warp_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [S, V] fp32 of non-greedy rows -> logits to sample from: / temperature, then min_p, top_k, top_p.
+
+    Dropped tokens become -inf. Rows that do not ask for a step are not touched by it.
+    """
+    device, vocab_size = logits.device, logits.shape[1]
+    logits = logits / _column([p.temperature for p in params], device)
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, _column([p.min_p for p in params], device))
+    picked = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1]
+    if picked:
+        index = torch.tensor(picked, dtype=torch.int64, device=device)
+        top_k = torch.tensor([min(params[i].top_k or vocab_size, vocab_size) for i in picked], device=device)
+        top_p_drop = _column([1.0 - params[i].top_p for i in picked], device)
+        logits[index] = apply_top_k_top_p(logits[index], top_k, top_p_drop)
+    return logits
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs [S, V] -> [S] int64: argmax(probs / q), q ~ Exponential(1), i.e. token i with probability p_i.
+
+    A row with a generator draws its V values from it alone; the other rows draw together from the default one.
+    """
+    q = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
+        q.exponential_()
+    elif shared:
+        q[torch.tensor(shared, device=probs.device)] = torch.empty(len(shared), probs.shape[1],
+                                                                    device=probs.device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            q[i].exponential_(generator=generator)
+    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """logits [R, V] fp32 (one row per sequence to sample) -> next tokens and their raw logprobs.
+
+    Greedy ties go to the lowest token id. top_ids/top_logprobs have N = the largest `logprobs` asked
+    for in the batch; rows asking fewer ignore the extra columns.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [rows, vocab] with one row per SamplingRow ({len(rows)}), "
+                         f"got shape {tuple(logits.shape)}.")
+    raw = raw_logprobs(logits)
+    work = logits.to(torch.float32, copy=True)
+    mask_stop_tokens(work, rows)
+    work = apply_penalties(work, rows)
+    token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    if greedy:
+        index = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
+        token_ids[index] = work[index].argmax(dim=-1)
+    randoms = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if randoms:
+        index = torch.tensor(randoms, dtype=torch.int64, device=logits.device)
+        warped = warp_logits(work[index], [rows[i].params for i in randoms])
+        token_ids[index] = _exponential_race(warped.softmax(dim=-1), [rows[i].generator for i in randoms])
+    num_top = max((row.params.logprobs or 0 for row in rows), default=0)
+    return gather_logprobs(raw, token_ids, num_top)

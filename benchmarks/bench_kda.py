@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import transformers_kimi_linear  # noqa: E402
 from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
 from kestrel.ops.torch import kda  # noqa: E402
 
@@ -35,13 +36,7 @@ KdaCall = Callable[[Inputs], torch.Tensor]
 def load_transformers_chunk() -> KdaCall:
     """transformers' torch chunk KDA. With fla importable it would route to fla's Triton kernel, so fla is
     hidden while transformers' module is imported (the choice is made at import time)."""
-    hidden = {name: module for name, module in sys.modules.items() if name == "fla" or name.startswith("fla.")}
-    sys.modules["fla"] = None
-    try:
-        from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(hidden)
+    chunk_kimi_delta_attention = transformers_kimi_linear.load().chunk_kimi_delta_attention
 
     def run(x: Inputs) -> torch.Tensor:
         return chunk_kimi_delta_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]

@@ -1,4 +1,4 @@
-"""The `kestrel` command line: inspect a config, make a random checkpoint, quantize experts, generate greedily.
+"""The `kestrel` command line: inspect a config, make a random checkpoint, quantize experts, generate.
 
 Bad input exits with status 2 and one sentence on stderr.
 """
@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-from .config import ConfigError, load_config, parse_config
-from .models.checkpoint import CheckpointError, build_model, load_model, save_model
-from .models.generate import greedy_generate
+from .config import load_config, parse_config
+from .engine.args import EngineArgs
+from .engine.llm import LLM
+from .engine.sampling import SamplingParams
+from .models.checkpoint import build_model, load_model, save_model
 from .models.init import init_weights
 from .models.inspect import inspect_config
 from .models.presets import PRESETS, tiny_config
@@ -27,11 +30,12 @@ class UsageError(ValueError):
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError, UsageError) as e:
+    except ValueError as e:   # ConfigError, CheckpointError, UsageError, bad engine or sampling arguments
         print(f"kestrel {args.command}: {e}", file=sys.stderr)
         return 2
 
@@ -57,10 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="folder to write")
     p.set_defaults(run=_quantize_experts)
 
-    p = sub.add_parser("generate", help="greedy continuation of token ids")
-    p.add_argument("--model", required=True, type=Path, help="model folder")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,17,42")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p = sub.add_parser("generate", help="generate text (or token ids) for one prompt or a JSONL file of prompts")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,17,42")
+    source.add_argument("--input", type=Path, help='JSONL file, one {"prompt": ...} or {"prompt_token_ids": [...]} '
+                                                    "per line")
+    p.add_argument("--output", type=Path, help="JSONL file for the results of --input (default: stdout)")
+    _add_sampling_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(run=_generate)
     return parser
 
@@ -128,19 +137,73 @@ def _quantize_experts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (vLLM's SamplingParams)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+        stop_token_ids=_int_list(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None,
+        ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, logprobs=args.logprobs)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
     try:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
+        return [int(t) for t in text.split(",")]
     except ValueError:
-        raise UsageError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}.") from None
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}.")
-    model = load_model(args.model)
-    vocab = model.config.vocab_size
-    if any(not 0 <= t < vocab for t in prompt):
-        raise UsageError(f"--prompt-ids must lie in [0, {vocab}) for this model.")
-    output = greedy_generate(model, [prompt], args.max_tokens, stop_token_id=model.config.eos_token_id)[0]
-    print(",".join(map(str, output)))
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}.") from None
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        prompts = [json.loads(line) for line in lines]
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is not a readable JSONL file ({e}).") from None
+    if not prompts or not all(isinstance(p, dict) and ("prompt" in p or "prompt_token_ids" in p) for p in prompts):
+        raise UsageError(f'every line of {path} must be a JSON object with "prompt" or "prompt_token_ids".')
+    return [{k: p[k] for k in ("prompt", "prompt_token_ids") if k in p} for p in prompts]
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    if args.input is not None:
+        prompts = _read_prompts(args.input)
+    elif args.prompt is not None:
+        prompts = [{"prompt": args.prompt}]
+    else:
+        prompts = [{"prompt_token_ids": _int_list(args.prompt_ids, "--prompt-ids")}]
+    llm = LLM(**vars(EngineArgs.from_cli(args)))
+    results = llm.generate(prompts, params, use_tqdm=args.input is not None)
+    if args.input is None:
+        for completion in results[0].outputs:
+            text = completion.text if llm.engine.tokenizer is not None else ",".join(map(str, completion.token_ids))
+            print(text)
+        return 0
+    lines = [json.dumps({**prompt, "outputs": [{"text": c.text, "token_ids": c.token_ids,
+                                                "finish_reason": c.finish_reason} for c in r.outputs]})
+             for prompt, r in zip(prompts, results)]
+    if args.output is None:
+        print("\n".join(lines))
+    else:
+        args.output.write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -34,6 +34,18 @@ def test_random_model_then_generate(tmp_path, capsys):
     assert printed == greedy_generate(model, [[1, 5, 9]], 6, stop_token_id=model.config.eos_token_id)[0]
 
 
+def test_generate_from_a_jsonl_file(tmp_path, capsys):
+    main(["random-model", "kimi-linear-tiny", "--out", str(tmp_path / "m")])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_token_ids": [3, 4]}\n{"prompt_token_ids": [5]}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(tmp_path / "m"), "--input", str(prompts), "--output", str(out),
+                 "--max-tokens", "3", "--ignore-eos", "--page-size", "4"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_token_ids"] for r in rows] == [[3, 4], [5]]
+    assert all(len(r["outputs"][0]["token_ids"]) == 3 and r["outputs"][0]["finish_reason"] == "length" for r in rows)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["inspect", "/no/such/model"], "does not exist"),
     (["random-model", "k3", "--out", "/tmp/x"], "more than half of this machine's"),
@@ -45,8 +57,13 @@ def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_bad_prompt_ids(tmp_path, capsys):
+def test_bad_generate_input(tmp_path, capsys):
     main(["random-model", "kimi-linear-tiny", "--out", str(tmp_path)])
+    capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,x"]) == 2
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "100000"]) == 2
-    assert "must lie in [0, 256)" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hello"]) == 2
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--temperature", "-1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kestrel generate:")]
+    assert len(errors) == 4
+    assert "integers in [0, 256)" in errors[1] and "no tokenizer.json" in errors[2] and "temperature" in errors[3]

@@ -35,7 +35,7 @@ class EngineArgs:
     context_length: int | None = None            # default: the model's max_position_embeddings
     chunked_prefill_size: int = 2048             # most prompt tokens of one request per step
     max_prefill_tokens: int = 8192               # most tokens (prefill and decode) in one step
-    seed: int = 0
+    random_seed: int = 0                         # seeds requests that set no seed of their own
 
     def __post_init__(self) -> None:
         checks = [

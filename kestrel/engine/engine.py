@@ -51,7 +51,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.random_seed)
 
     @property
     def context_length(self) -> int:

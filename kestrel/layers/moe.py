@@ -83,24 +83,37 @@ class RoutedExperts(nn.Module):
             else:
                 setattr(self, name, nn.Parameter(torch.zeros(shape)))
 
-    def expert_weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Dense weight `name` (w1, w3 or w2) of one expert in dtype."""
+    def expert_weights(self, name: str, experts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Dense weights `name` (w1, w3 or w2) in dtype, [E', out, in], of the sorted experts [E'] (MXFP4 ones
+        dequantized here), or of all experts in place when experts is None."""
         if self.mxfp4:
-            return dequantize_mxfp4(getattr(self, f"{name}_packed")[expert], getattr(self, f"{name}_scale")[expert],
+            return dequantize_mxfp4(getattr(self, f"{name}_packed")[experts], getattr(self, f"{name}_scale")[experts],
                                     dtype)
-        return getattr(self, name)[expert].to(dtype)
+        weight = getattr(self, name)
+        return (weight if experts is None else weight[experts]).to(dtype)
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype."""
-        out = torch.zeros_like(z, dtype=torch.float32)
-        for expert in ids.unique().tolist():
-            token, slot = (ids == expert).nonzero(as_tuple=True)
-            h = self._quant(z[token])
-            w1, w3, w2 = (self.expert_weight(n, expert, z.dtype) for n in ("w1", "w3", "w2"))
-            a = self._quant(glu(self.config, h @ w1.t(), h @ w3.t()))
-            y = (a @ w2.t()).float() * weights[token, slot].unsqueeze(-1)
-            out = out.index_add(0, token, y)
-        return out.to(z.dtype)
+        """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype.
+
+        Token-expert pairs are grouped by expert and padded to the busiest expert's count, so each expert GEMM
+        of the batch is one batched matmul: over the experts in use (MXFP4 ones are dequantized, dense ones
+        copied), or, for dense weights when most experts are in use, over all of them without copying weights.
+        """
+        top_k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // top_k
+        experts, group = flat[order].unique_consecutive(return_inverse=True)
+        if not self.mxfp4 and 2 * len(experts) > self.config.num_experts:
+            experts, group = None, flat[order]
+        counts = torch.bincount(group, minlength=self.config.num_experts if experts is None else len(experts))
+        row = torch.arange(len(order), device=z.device) - (counts.cumsum(0) - counts)[group]
+        x = z.new_zeros(len(counts), int(counts.max()), z.shape[1]).index_put((group, row), z[tokens])
+        w1, w3, w2 = (self.expert_weights(n, experts, z.dtype) for n in ("w1", "w3", "w2"))
+        x = self._quant(x)
+        h = self._quant(glu(self.config, x @ w1.transpose(1, 2), x @ w3.transpose(1, 2)))
+        y = (h @ w2.transpose(1, 2))[group, row].float() * weights.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(z, dtype=torch.float32).index_add(0, tokens, y).to(z.dtype)
 
     def _quant(self, x: torch.Tensor) -> torch.Tensor:
         """MXFP8 fake quantization of an expert GEMM input, when switched on (off by default)."""

@@ -7,7 +7,7 @@ import torch
 from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 
-from conftest import tiny_model
+from helpers import tiny_model
 from kestrel.config import parse_config
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.mla import GatedMLA, LightningIndexer

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import FAMILY, tiny_model
+from helpers import FAMILY, tiny_model
 from kestrel.layers.batch import ForwardBatch
 from kestrel.config import parse_config
 from kestrel.models.checkpoint import INDEX_FILE, CheckpointError, build_model, load_model, save_model

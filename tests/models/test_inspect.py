@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILY, tiny_model
+from helpers import FAMILY, tiny_model
 from kestrel.config import load_config
 from kestrel.models.inspect import inspect_config
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_model
+from helpers import tiny_model
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 

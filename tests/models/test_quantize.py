@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_model
+from helpers import tiny_model
 from kestrel.cli import main
 from kestrel.layers.batch import ForwardBatch
 from kestrel.models.checkpoint import load_model, save_model

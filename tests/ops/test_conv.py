@@ -43,3 +43,14 @@ def test_two_calls_equal_one():
     y2, s2 = causal_conv1d(x[2:], weight, torch.tensor([0, 9]), s1)
     torch.testing.assert_close(torch.cat([y1, y2]), y)
     torch.testing.assert_close(s2, final)
+
+
+def test_one_token_per_sequence_matches_the_general_path():
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(3, C, generator=gen), torch.randn(C, W, generator=gen)
+    state = torch.randn(3, W - 1, C, generator=gen)
+    y, final = causal_conv1d(x, weight, torch.tensor([0, 1, 2, 3]), state)
+    for n in range(3):
+        y_ref, final_ref = reference(x[n:n + 1], weight, state[n])
+        torch.testing.assert_close(y[n:n + 1], y_ref)
+        torch.testing.assert_close(final[n], final_ref)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -13,29 +14,36 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     each sequence (zeros when None). Returns y [T, C] in x's dtype (computed in the weight's dtype, fp32 for the
     family's checkpoints) and final_state [N, W-1, C]: the last W-1 inputs of each sequence, state included, so a
     zero-length sequence returns its state unchanged.
+
+    Every sequence is laid out after its state rows in one stream, [state_0, x_0, state_1, x_1, ...], and one
+    depthwise conv1d runs over the whole stream: each token's window then lies within its own sequence.
     """
     num_tokens, channels = x.shape
     width = weight.shape[1]
     n = cu_seqlens.numel() - 1
     if initial_state is None:
         initial_state = x.new_zeros(n, width - 1, channels)
+    if num_tokens == n and bool((cu_seqlens.diff() == 1).all()):    # decode: one token per sequence
+        window = torch.cat([initial_state.to(x.dtype), x.unsqueeze(1)], 1)              # [N, W, C]
+        y = torch.einsum("nwc,cw->nc", window.to(weight.dtype), weight).to(x.dtype)
+        return y, window[:, 1:]
     # Rows of `source`: every sequence's state rows first, then the new tokens.
     source = torch.cat([initial_state.reshape(n * (width - 1), channels).to(x.dtype), x])
     lens = cu_seqlens.diff()
-    seq = torch.repeat_interleave(torch.arange(n, device=x.device), lens)
-    local = torch.arange(num_tokens, device=x.device) - cu_seqlens[seq]
-    taps = torch.arange(width, device=x.device)
-    # Extended position e of sequence n (its state occupies e < W-1) maps to a row of `source`.
-    ext = local.unsqueeze(1) + taps                                            # [T, W]
-    y_rows = _source_rows(seq.unsqueeze(1), ext, cu_seqlens, width, n)
-    y = torch.einsum("twc,cw->tc", source[y_rows].to(weight.dtype), weight).to(x.dtype)
-    tail = lens.unsqueeze(1) + torch.arange(width - 1, device=x.device)        # [N, W-1]
+    seq = torch.repeat_interleave(torch.arange(n, device=x.device), lens + width - 1)
+    stream_start = cu_seqlens[:-1] + torch.arange(n, device=x.device) * (width - 1)    # where each state begins
+    ext = torch.arange(seq.numel(), device=x.device) - stream_start[seq]               # position after the state
+    stream = source[_source_rows(seq, ext, cu_seqlens, width, n)]
+    out = F.conv1d(stream.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=channels)[0].t()
+    is_token = ext >= width - 1
+    y = out[torch.nonzero(is_token).squeeze(1) - (width - 1)].to(x.dtype)
+    tail = lens.unsqueeze(1) + torch.arange(width - 1, device=x.device)                 # [N, W-1]
     state_rows = _source_rows(torch.arange(n, device=x.device).unsqueeze(1), tail, cu_seqlens, width, n)
     return y, source[state_rows]
 
 
 def _source_rows(seq: torch.Tensor, ext: torch.Tensor, cu_seqlens: torch.Tensor, width: int, n: int) -> torch.Tensor:
-    """Row of `source` holding extended position ext of sequence seq."""
+    """Row of `source` holding extended position ext (state first, then tokens) of sequence seq."""
     from_state = seq * (width - 1) + ext
     from_tokens = n * (width - 1) + cu_seqlens[seq] + ext - (width - 1)
     return torch.where(ext < width - 1, from_state, from_tokens)

@@ -105,13 +105,17 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dtype = _compute_dtype(q, k, v, g, beta, initial_state)
     num_seqs, (num_heads, key_dim), value_dim = len(lengths), q.shape[1:], v.shape[2]
     scale = key_dim ** -0.5 if scale is None else scale
+    state = _initial_state(initial_state, (num_seqs, num_heads, key_dim, value_dim), dtype, q.device)
+    if lengths and min(lengths) == max(lengths) == 1:       # plain decode: one token per sequence, no padding
+        state = _recurrent_step(state, k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
+        o = torch.einsum("nhk,nhkv->nhv", q.to(dtype) * scale, state).to(v.dtype)
+        return o, state, state if output_token_states else None
     max_len = max(lengths, default=0)
     seq, pos = _token_positions(lengths, q.device)
     slot = seq * max_len + pos                                                  # [T] into [N * max_len]
     # Padding steps have g = k = beta = 0, which leaves the state unchanged.
     q_p, k_p, v_p, g_p, beta_p = (_scatter_rows(x.to(dtype), slot, num_seqs * max_len)
                                   .unflatten(0, (num_seqs, max_len)) for x in (q, k, v, g, beta))
-    state = _initial_state(initial_state, (num_seqs, num_heads, key_dim, value_dim), dtype, q.device)
     outputs, states = [], []
     for q_t, k_t, v_t, g_t, beta_t in zip(*(x.unbind(1) for x in (q_p * scale, k_p, v_p, g_p, beta_p))):
         state = _recurrent_step(state, k_t, v_t, g_t, beta_t)

@@ -9,7 +9,7 @@ import torch
 
 from kestrel.cli import main
 from kestrel.models.checkpoint import load_model
-from kestrel.models.generate import greedy_generate
+from helpers import greedy_generate
 
 
 def test_inspect_json_for_a_published_model(capsys):

@@ -33,7 +33,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.sequences) == self.params.n and all(s.status is Status.FINISHED for s in self.sequences)
+        """Every continuation is done (an abort also ends those not yet forked)."""
+        done = all(s.status is Status.FINISHED for s in self.sequences)
+        aborted = any(s.finish_reason == "abort" for s in self.sequences)
+        return done and (len(self.sequences) == self.params.n or aborted)
 
     def output(self) -> RequestOutput:
         return RequestOutput(

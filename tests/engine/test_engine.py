@@ -10,7 +10,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.engine.tokenizer import Tokenizer
 from kestrel.layers.batch import ForwardBatch
-from kestrel.models.generate import greedy_generate
+from helpers import greedy_generate
 
 VOCAB = 320
 
@@ -195,7 +195,11 @@ def test_n_continuations_share_the_prompt_and_match_separate_requests(model_dir)
     engine.step()
     pool = engine.scheduler.kv_pool
     assert pool.num_pages - pool.num_free == 2 + 3       # 2 shared full pages + a copied partial page each
-    assert_pools_free(llm) if engine.abort_request("fork") else None
+    assert engine.abort_request("fork").finished
+    engine.add_request("queued", prompt["prompt_token_ids"], sampled)
+    aborted = engine.abort_request("queued")                # before its prompt ran: no forks yet
+    assert aborted.finished and [c.finish_reason for c in aborted.outputs] == ["abort"]
+    assert_pools_free(llm)
 
 
 def test_fp8_kv_cache_stays_close(model_dir, kimi_linear_dir):

@@ -20,10 +20,10 @@ $(VENV)/.test: pyproject.toml | $(PY)
 	$(PIP) -e '.[test]'
 	touch $@ $(VENV)/.runtime
 
-# Until the engine and server land, serving means a greedy generation from a tiny random K3.1-architecture model.
+# Until kestrel ships its bundled model, `make serve` serves a tiny random K3.1-architecture model on 127.0.0.1:8000.
 serve: $(VENV)/.runtime
 	@test -f $(DEMO_MODEL)/config.json || $(KESTREL) random-model k3.1-tiny --out $(DEMO_MODEL)
-	$(KESTREL) generate --model $(DEMO_MODEL) --prompt-ids 1,5,9,13 --max-tokens 16
+	$(KESTREL) serve --model $(DEMO_MODEL) --served-model-name k3.1-tiny-random
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q

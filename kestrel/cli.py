@@ -1,4 +1,4 @@
-"""The `kestrel` command line: inspect a config, make a random checkpoint, quantize experts, generate.
+"""The `kestrel` command line: inspect a config, make a random checkpoint, quantize experts, generate, serve.
 
 Bad input exits with status 2 and one sentence on stderr.
 """
@@ -23,6 +23,7 @@ from .models.init import init_weights
 from .models.inspect import inspect_config
 from .models.presets import PRESETS, tiny_config
 from .models.quantize import quantize_experts
+from .server.serve import serve
 
 
 class UsageError(ValueError):
@@ -71,7 +72,25 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_generate)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--max-queued-requests", type=int, default=None, help="answer 429 beyond this many queued")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(run=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.model is None:
+        raise UsageError("--model is required until kestrel ships its bundled model.")
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise UsageError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}.")
+    serve(EngineArgs.from_cli(args), args.host, args.port, args.served_model_name, args.api_key,
+          args.max_queued_requests)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.kv_pool import KVPool
 from .cache.planner import device_memory, plan_memory
 from .cache.state_pool import StatePool
+from .json_mode import JsonState, JsonTokenMasks, advance
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .request import Request, Sequence, Status
@@ -51,6 +52,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self._json_masks: JsonTokenMasks | None = None
         torch.manual_seed(args.random_seed)
 
     @property
@@ -63,6 +65,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
+        if params.json_object and self.tokenizer is None:
+            raise ValueError(f"JSON mode needs the model's tokenizer.json, which {self.args.model} lacks.")
         ids = self._prompt_ids(prompt)
         room = self.context_length - len(ids)
         if room < 1:
@@ -88,6 +92,14 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         return request.output()
+
+    def fail_running(self) -> list[str]:
+        """After a step that raised: abort every request with a running sequence; returns their ids."""
+        failed = [request_id for request_id, request in self.requests.items()
+                  if any(s.status is Status.RUNNING for s in request.sequences)]
+        for request_id in failed:
+            self.abort_request(request_id)
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -139,6 +151,8 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output)
         seq = Sequence(request, index, generator, detokenizer)
+        if params.json_object:
+            seq.json_state = JsonState()
         if params.logprobs is not None:
             seq.logprobs = []
         request.sequences.append(seq)
@@ -154,15 +168,31 @@ class LLMEngine:
         return [c for c in children if c.status is Status.RUNNING]
 
     def _sample_and_append(self, targets: list[tuple[Sequence, torch.Tensor]]) -> None:
-        rows = [SamplingRow(s.request.params, s.request.prompt_ids, s.output_ids, s.generator, self.eos_token_ids)
+        rows = [SamplingRow(s.request.params, s.request.prompt_ids, s.output_ids, s.generator, self.eos_token_ids,
+                            self._json_token_masks().allowed(s.json_state) if s.json_state is not None else None)
                 for s, _ in targets]
         result = sample(torch.stack([logits for _, logits in targets]), rows)
         for i, (seq, _) in enumerate(targets):
-            self._append(seq, int(result.token_ids[i]), result, i)
+            try:
+                self._append(seq, int(result.token_ids[i]), result, i)
+            except Exception as e:   # one request's failure (e.g. in its detokenizer) ends only that request
+                log.exception("request %s failed", seq.request.request_id)
+                for sibling in seq.request.sequences:
+                    if sibling.status is not Status.FINISHED:
+                        sibling.finish_reason, sibling.stop_reason = "error", f"{type(e).__name__}: {e}"
+                        self.scheduler.finish(sibling)
+
+    def _json_token_masks(self) -> JsonTokenMasks:
+        if self._json_masks is None:
+            token_bytes = [self.tokenizer.token_bytes(t) for t in range(self.config.vocab_size)]
+            self._json_masks = JsonTokenMasks(token_bytes, self.eos_token_ids)
+        return self._json_masks
 
     def _append(self, seq: Sequence, token: int, result: SampleResult, row: int) -> None:
         params = seq.request.params
         seq.output_ids.append(token)
+        if seq.json_state is not None and not seq.json_state.complete:
+            seq.json_state = advance(seq.json_state, self._json_token_masks().token_bytes[token])
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(result, row, params.logprobs))
             seq.cumulative_logprob += float(result.logprobs[row])

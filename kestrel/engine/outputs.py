@@ -26,7 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None          # "stop", "length", "abort"
+    finish_reason: str | None = None          # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None      # the stop token id or stop string that ended it
 
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .json_mode import JsonState
 from .outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -33,10 +34,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        """Every continuation is done (an abort also ends those not yet forked)."""
+        """Every continuation is done (an abort or a failure also ends those not yet forked)."""
         done = all(s.status is Status.FINISHED for s in self.sequences)
-        aborted = any(s.finish_reason == "abort" for s in self.sequences)
-        return done and (len(self.sequences) == self.params.n or aborted)
+        ended = any(s.finish_reason in ("abort", "error") for s in self.sequences)
+        return done and (len(self.sequences) == self.params.n or ended)
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -64,6 +65,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    json_state: JsonState | None = None                        # where the output stands, in JSON mode
 
     @property
     def num_tokens(self) -> int:

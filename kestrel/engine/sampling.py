@@ -1,7 +1,7 @@
 """The sampling step: per-request parameters, and a batch of logits turned into next tokens and logprobs.
 
 `SamplingParams` keeps vLLM's field names and semantics. `sample` follows vLLM v1's order: stop tokens
-masked until `min_tokens`, then penalties (repetition on prompt+output, then frequency and presence on
+masked until `min_tokens` (and tokens a constraint forbids), then penalties (repetition on prompt+output, then frequency and presence on
 the output), then greedy argmax, or temperature, min_p, top_k and top_p (one sort) and a draw. Draws use
 the exponential race: argmax_i p_i / q_i with q_i ~ Exponential(1) picks token i with probability p_i,
 and each seeded row draws its q from its own `torch.Generator`, so its tokens do not depend on the rest
@@ -58,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    json_object: bool = False         # constrain the output to one JSON object (OpenAI's response_format json_object)
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -105,7 +106,7 @@ class SamplingParams:
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
             _require(value is None or (_is_int(value) and value >= 0), field, "null or an integer >= 0", value)
-        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "json_object"):
             _require(isinstance(getattr(self, field), bool), field, "true or false", getattr(self, field))
 
     @property
@@ -128,6 +129,7 @@ class SamplingRow:
     output_ids: Sequence[int]
     generator: torch.Generator | None       # per-request generator when params.seed is set
     eos_token_ids: Sequence[int] = ()       # blocked with params.stop_token_ids until min_tokens (unless ignore_eos)
+    allowed_tokens: torch.Tensor | None = None   # [V] bool: a constraint (JSON mode) on the next token
 
 
 @dataclass
@@ -282,6 +284,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     raw = raw_logprobs(logits)
     work = logits.to(torch.float32, copy=True)
     mask_stop_tokens(work, rows)
+    for i, row in enumerate(rows):
+        if row.allowed_tokens is not None:
+            work[i].masked_fill_(~row.allowed_tokens.to(work.device), float("-inf"))
     work = apply_penalties(work, rows)
     token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]

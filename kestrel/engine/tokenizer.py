@@ -94,6 +94,34 @@ class Tokenizer:
         """The text one token stands for (U+FFFD where it holds only part of a character), for logprob displays."""
         return self._backend.decode([int(token_id)], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token adds to the text (byte-level BPE pieces map back byte for byte), or None for a
+        special token or an id the vocabulary lacks."""
+        if token_id in self.special_ids or token_id >= self.vocab_size:
+            return None
+        piece = self._backend.id_to_token(int(token_id))
+        if piece is None:
+            return None
+        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return self.token_text(token_id).encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
 
 class IncrementalDetokenizer:
     """Streams the text of generated tokens: never emits broken UTF-8 and never emits any part of a stop string.

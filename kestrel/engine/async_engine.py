@@ -1,0 +1,141 @@
+"""The engine on its own thread, for asyncio callers: the engine loop never runs on the server's event loop.
+
+Coroutines hand requests and aborts to the engine thread through a queue; the thread applies them between steps,
+runs steps while there is work, and delivers each request's outputs to that request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+log = logging.getLogger("kestrel")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds right now (read by /metrics and the admission limit)."""
+
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    state_slots_used: int
+    state_slots_total: int
+
+
+class RequestFailed(RuntimeError):
+    """The engine could not finish this request (the others carry on)."""
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a daemon thread; `generate` streams a request's cumulative outputs."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kestrel-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        kv, state = scheduler.kv_pool, scheduler.state_pool
+        return EngineStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                           kv_pages_used=kv.num_pages - kv.num_free, kv_pages_total=kv.num_pages,
+                           state_slots_used=state.num_slots - state.num_free, state_slots_total=state.num_slots)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative outputs until it finishes. A ValueError (bad request) or
+        RequestFailed is raised here; leaving the iteration early aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        self._commands.put(("add", request_id, prompt, params, priority))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (requests still running are abandoned)."""
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._apply_commands(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: tuple) -> None:
+        kind, *rest = command
+        if kind == "add":
+            request_id, prompt, params, priority = rest
+            try:
+                self.engine.add_request(request_id, prompt, params, priority)
+            except ValueError as e:
+                self._deliver(request_id, e)
+        elif kind == "abort":
+            self.engine.abort_request(rest[0])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:   # a failing forward fails the requests it carried, not the engine
+            log.exception("engine step failed")
+            for request_id in self.engine.fail_running():
+                self._deliver(request_id, RequestFailed(f"the engine failed while running this request: {e}"))
+            return
+        for output in outputs:
+            failed = [c for c in output.outputs if c.finish_reason == "error"]
+            self._deliver(output.request_id, RequestFailed(failed[0].stop_reason) if failed else output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)

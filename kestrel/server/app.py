@@ -1,0 +1,443 @@
+"""The OpenAI-compatible HTTP server: routes, errors, auth, admission, streaming; the engine runs on its own thread.
+
+Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the right status: 400 for a bad
+body (naming the field) or a prompt past the context, 401 for a missing or wrong key, 404 for an unknown model,
+429 with Retry-After past --max-queued-requests, 503 while shutting down, 500 for a request the engine failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.async_engine import AsyncEngine, RequestFailed
+from ..engine.outputs import RequestOutput
+from ..engine.sampling import SamplingParams
+from .chat import (CONTENT, REASONING, THINK_CLOSE, THINK_OPEN, TOOL_ARGS, TOOL_NAME, TOOL_NAME_END, TOOL_OPEN,
+                   ReplyDelta, ReplyParser, render_chat)
+from .metrics import Metrics, RequestTimer
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest
+from .responses import (chat_delta, chat_finish_reason, chat_logprobs, chat_message, completion_logprobs,
+                        completion_tokens, new_id, now, usage)
+
+OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/cookbook", "/docs", "/openapi.json")
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    api_key: str | None
+    max_queued_requests: int | None
+    metrics: Metrics
+    draining: bool = False
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+               max_queued_requests: int | None = None) -> FastAPI:
+    app = FastAPI(title="kestrel", description="OpenAI-compatible server for the Kimi K3 family")
+    state = ServerState(engine, model_name, api_key, max_queued_requests, Metrics(engine))
+    app.state.kestrel = state
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if state.api_key and not request.url.path.startswith(OPEN_PATHS):
+            if request.headers.get("authorization") != f"Bearer {state.api_key}":
+                return error_response(ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'.",
+                                               kind="authentication_error"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "draining" if state.draining else "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate() -> dict:
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        async for _ in engine.generate(new_id("health"), [engine.engine.config.bos_token_id or 0], params):
+            pass
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
+                                            "owned_by": "kestrel", "max_model_len": engine.engine.context_length}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        tokenizer = _tokenizer(state)
+        if body.messages is not None:
+            text, add_special = render_chat(tokenizer, body.messages, None), False
+        elif body.prompt is not None:
+            text, add_special = body.prompt, body.add_special_tokens
+        else:
+            raise ApiError(400, "give either prompt or messages.", "prompt")
+        ids = tokenizer.encode(text, add_special_tokens=add_special)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        vocab = engine.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"tokens must lie in [0, {vocab}).", "tokens")
+        return {"prompt": _tokenizer(state).decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(state, body.model)
+        _admit(state)
+        return await _completions(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(state, body.model)
+        _admit(state)
+        return await _chat(state, body, request)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(error.errors()))
+
+
+def _validation_error(errors: list[dict]) -> ApiError:
+    """One 400 naming the first bad field (pydantic reports a union's alternatives as several errors)."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON.")
+    field = _field_path(first.get("loc", ()))
+    if not field:
+        return ApiError(400, "the request body must be a JSON object.")
+    if sum(_field_path(e.get("loc", ())) == field for e in errors) > 1:
+        return ApiError(400, f"{field}: no accepted type matches {first.get('input')!r:.80}.", field)
+    return ApiError(400, f"{field}: {first.get('msg', 'invalid value')}.", field)
+
+
+def _field_path(loc) -> str:
+    """'messages.0.content' from pydantic's location, without "body" and the type names of union members."""
+    parts = []
+    for part in loc[1:]:
+        if isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool")):
+            break
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}.",
+                       "model", "not_found_error")
+
+
+def _admit(state: ServerState) -> None:
+    if state.draining:
+        raise ApiError(503, "the server is shutting down; retry against another replica.", kind="unavailable")
+    limit = state.max_queued_requests
+    if limit is not None:
+        queued = state.engine.num_requests - state.engine.stats().running
+        if queued >= limit:
+            raise ApiError(429, f"too many queued requests ({queued}); retry shortly.", kind="rate_limit_error",
+                           headers={"Retry-After": "1"})
+
+
+def _tokenizer(state: ServerState):
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer.json; send token ids to /v1/completions.")
+    return tokenizer
+
+
+def _max_tokens(requested: int | None) -> int | None:
+    return None if requested is None else max(requested, 1)
+
+
+async def _outputs(state: ServerState, request_id: str, prompt, params: SamplingParams,
+                   priority: int) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request, with bad requests and engine failures turned into ApiErrors."""
+    try:
+        async for output in state.engine.generate(request_id, prompt, params, priority):
+            yield output
+    except ValueError as e:
+        raise ApiError(400, str(e), "prompt") from e
+    except RequestFailed as e:
+        raise ApiError(500, str(e), kind="server_error") from e
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come: (stream index, output)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _stream_error(error: ApiError) -> str:
+    return _sse({"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}})
+
+
+async def _completions(state: ServerState, body: CompletionRequest, request: Request):
+    prompts = body.prompts()
+    if not prompts:
+        raise ApiError(400, "prompt must not be empty.", "prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens 0 only makes sense with echo.", "max_tokens")
+    want_prompt_logprobs = body.echo and body.logprobs is not None
+    params = body.sampling_params(_max_tokens(body.max_tokens), body.logprobs,
+                                  body.logprobs if want_prompt_logprobs else None)
+    request_id = new_id("cmpl")
+    streams = [_outputs(state, f"{request_id}-{i}", p, params, body.priority) for i, p in enumerate(prompts)]
+    tokenizer, n = state.engine.tokenizer, body.n
+    generated = body.max_tokens != 0
+    timer = RequestTimer(state.metrics)
+
+    def choice(prompt_index: int, output: RequestOutput, j: int, text_from: int, tokens_from: int,
+               echo_prompt: bool) -> dict:
+        c = output.outputs[j]
+        text, ids, entries = (c.text[text_from:], c.token_ids[tokens_from:],
+                              (c.logprobs or [])[tokens_from:]) if generated else ("", [], [])
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, ids, entries, text_from)
+        if echo_prompt:
+            prompt_text = output.prompt if output.prompt is not None else _decode(tokenizer, output.prompt_token_ids)
+            text = prompt_text + text
+            if logprobs is not None:
+                head = completion_logprobs(tokenizer, output.prompt_token_ids, output.prompt_logprobs or [], 0)
+                logprobs = {k: head[k] + [o + len(prompt_text) for o in logprobs[k]] if k == "text_offset"
+                            else head[k] + logprobs[k] for k in head}
+        return {"index": prompt_index * n + j, "text": text, "logprobs": logprobs,
+                "finish_reason": _finish(c.finish_reason, generated)}
+
+    if body.stream:
+        async def events() -> AsyncIterator[str]:
+            sent = {}
+            finals: dict[int, RequestOutput] = {}
+            try:
+                async for i, output in _merged(streams):
+                    chunk_choices = []
+                    for j, c in enumerate(output.outputs):
+                        text_from, tokens_from = sent.get((i, j), (0, 0))
+                        first = (i, j) not in sent
+                        if len(c.text) == text_from and not c.finish_reason and not (body.echo and first):
+                            continue
+                        chunk_choices.append(choice(i, output, j, text_from, tokens_from, body.echo and first))
+                        sent[(i, j)] = (len(c.text), len(c.token_ids))
+                    finals[i] = output
+                    timer.tokens_seen(sum(completion_tokens(o) for o in finals.values()))
+                    if chunk_choices:
+                        yield _sse({"id": request_id, "object": "text_completion", "created": now(),
+                                    "model": state.model_name, "choices": chunk_choices})
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({"id": request_id, "object": "text_completion", "created": now(),
+                                "model": state.model_name, "choices": [],
+                                "usage": _usage(finals.values(), generated)})
+                timer.done("success", sum(len(o.prompt_token_ids) for o in finals.values()))
+            except ApiError as e:
+                timer.done("error", 0)
+                yield _stream_error(e)
+            except asyncio.CancelledError:
+                timer.done("abort", 0)
+                raise
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    finals = await _collect(state, streams, request, timer)
+    choices = [choice(i, finals[i], j, 0, 0, body.echo) for i in range(len(prompts))
+               for j in range(len(finals[i].outputs))]
+    return {"id": request_id, "object": "text_completion", "created": now(), "model": state.model_name,
+            "choices": choices, "usage": _usage(finals.values(), generated)}
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids) if tokenizer is not None else ""
+
+
+def _finish(reason: str | None, generated: bool) -> str | None:
+    return reason if generated or reason is None else "length"
+
+
+def _usage(outputs, generated: bool) -> dict[str, int]:
+    outputs = list(outputs)
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(completion_tokens(o) for o in outputs) if generated else 0)
+
+
+async def _collect(state: ServerState, streams: list[AsyncIterator[RequestOutput]], request: Request,
+                   timer: RequestTimer) -> dict[int, RequestOutput]:
+    """Run requests to the end (aborting them if the client goes away); the final output of each."""
+    finals: dict[int, RequestOutput] = {}
+    merged = _merged(streams)
+    try:
+        async for i, output in merged:
+            finals[i] = output
+            timer.tokens_seen(sum(completion_tokens(o) for o in finals.values()))
+            if await request.is_disconnected():
+                timer.done("abort", 0)
+                raise ApiError(499, "the client disconnected.")
+    except ApiError as e:
+        if e.status != 499:
+            timer.done("error", 0)
+        raise
+    finally:
+        await merged.aclose()
+    timer.done("success", sum(len(o.prompt_token_ids) for o in finals.values()))
+    return finals
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, str, str | None]:
+    """The rendered prompt, the reply parser's start state and the forced tool name (tool_choice)."""
+    tokenizer = _tokenizer(state)
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    if choice != "none" and not body.tools:
+        raise ApiError(400, "tool_choice needs tools.", "tool_choice")
+    tools = body.tools if choice != "none" else None
+    prompt = render_chat(tokenizer, body.messages, tools)
+    start = REASONING if prompt.endswith(THINK_OPEN) else CONTENT
+    forced = choice not in ("none", "auto") or _json_mode(body)
+    if not forced:
+        return prompt, start, None
+    if start == REASONING:                    # a forced tool call or JSON mode skips the reasoning
+        prompt += THINK_CLOSE
+    if choice in ("none", "auto"):
+        return prompt, CONTENT, None
+    if choice == "required":
+        return prompt + TOOL_OPEN, TOOL_NAME, None
+    assert isinstance(choice, NamedToolChoice)
+    name = choice.function.get("name", "")
+    if name not in {t.function.name for t in body.tools}:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
+    return prompt + TOOL_OPEN + name + TOOL_NAME_END, TOOL_ARGS, name
+
+
+def _json_mode(body: ChatCompletionRequest) -> bool:
+    return body.response_format is not None and body.response_format.type == "json_object"
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+    if _json_mode(body) and body.tools and body.tool_choice not in (None, "none"):
+        raise ApiError(400, "response_format json_object cannot be combined with tool calls.", "response_format")
+    prompt, start, forced = _chat_prompt(state, body)
+    top = body.top_logprobs or 0
+    params = body.sampling_params(_max_tokens(body.max_completion_tokens or body.max_tokens),
+                                  top if body.logprobs else None, skip_special_tokens=False,
+                                  json_object=_json_mode(body))
+    request_id = new_id("chatcmpl")
+    stream = _outputs(state, request_id, prompt, params, body.priority)
+    parsers = [ReplyParser(start, forced) for _ in range(body.n)]
+    tokenizer = state.engine.tokenizer
+    timer = RequestTimer(state.metrics)
+
+    if body.stream:
+        async def events() -> AsyncIterator[str]:
+            sent: dict[int, tuple[int, int]] = {}
+            final: RequestOutput | None = None
+            try:
+                async for _, output in _merged([stream]):
+                    final = output
+                    timer.tokens_seen(completion_tokens(output))
+                    for j, c in enumerate(output.outputs):
+                        text_from, tokens_from = sent.get(j, (0, 0))
+                        delta = parsers[j].feed(c.text[text_from:])
+                        if c.finish_reason is not None:
+                            tail = parsers[j].finish()
+                            delta = ReplyDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
+                                               delta.tool_calls + tail.tool_calls)
+                        first = j not in sent
+                        sent[j] = (len(c.text), len(c.token_ids))
+                        if not (delta or first or c.finish_reason):
+                            continue
+                        logprobs = (chat_logprobs(tokenizer, c.token_ids[tokens_from:],
+                                                  (c.logprobs or [])[tokens_from:], top) if body.logprobs else None)
+                        yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": now(),
+                                    "model": state.model_name, "choices": [{
+                                        "index": j, "delta": chat_delta(delta, first), "logprobs": logprobs,
+                                        "finish_reason": chat_finish_reason(c, parsers[j].calls)}]})
+                if body.stream_options and body.stream_options.include_usage and final is not None:
+                    yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": now(),
+                                "model": state.model_name, "choices": [], "usage": _usage([final], True)})
+                timer.done("success", len(final.prompt_token_ids) if final else 0)
+            except ApiError as e:
+                timer.done("error", 0)
+                yield _stream_error(e)
+            except asyncio.CancelledError:
+                timer.done("abort", 0)
+                raise
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    final = (await _collect(state, [stream], request, timer))[0]
+    choices = []
+    for j, c in enumerate(final.outputs):
+        parser = parsers[j]
+        delta = parser.feed(c.text)
+        tail = parser.finish()
+        choices.append({
+            "index": j,
+            "message": chat_message(delta.reasoning + tail.reasoning, delta.content + tail.content, parser.calls),
+            "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], top) if body.logprobs else None,
+            "finish_reason": chat_finish_reason(c, parser.calls)})
+    return {"id": request_id, "object": "chat.completion", "created": now(), "model": state.model_name,
+            "choices": choices, "usage": _usage([final], True)}

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the server: request outcomes, latencies, token counts, queue and pool occupancy."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..engine.async_engine import AsyncEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """One registry per server, so that tests and several apps in a process do not collide."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kestrel_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("kestrel_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kestrel_time_per_output_token_seconds", "Mean time per output token after the first",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kestrel_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kestrel_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kestrel_generation_tokens", "Generated tokens", registry=r)
+        gauges = {
+            "kestrel_num_requests_running": ("Requests holding a state slot", lambda s: s.running),
+            "kestrel_num_requests_waiting": ("Requests queued or preempted", lambda s: s.waiting),
+            "kestrel_kv_cache_usage_ratio": ("Share of KV pages in use",
+                                             lambda s: s.kv_pages_used / s.kv_pages_total),
+            "kestrel_state_pool_usage_ratio": ("Share of KDA state slots in use",
+                                               lambda s: s.state_slots_used / s.state_slots_total),
+        }
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine.stats()))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestTimer:
+    """Times one request for the latency histograms."""
+
+    metrics: Metrics
+    start: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    tokens: int = 0
+
+    def tokens_seen(self, total: int) -> None:
+        """The request now has `total` generated tokens (summed over its choices)."""
+        if total > 0 and self.first_token is None:
+            self.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.first_token - self.start)
+        self.tokens = total
+
+    def done(self, outcome: str, prompt_tokens: int) -> None:
+        end = time.perf_counter()
+        self.metrics.requests.labels(outcome).inc()
+        if outcome != "success":
+            return
+        self.metrics.e2e.observe(end - self.start)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(self.tokens)
+        if self.first_token is not None and self.tokens > 1:
+            self.metrics.tpot.observe((end - self.first_token) / (self.tokens - 1))

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible request schemas (with vLLM's extra sampling fields) and their SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class Schema(BaseModel):
+    """Unknown fields are ignored (clients send many); known fields are type-checked."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(Schema):
+    include_usage: bool = False
+
+
+class SamplingFields(Schema):
+    """Fields shared by completions and chat, OpenAI's plus vLLM's extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        skip_special_tokens: bool | None = None, json_object: bool = False) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, json_object=json_object)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one text, several texts, one token-id list, or several."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class FunctionCall(Schema):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(Schema):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(Schema):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionDefinition(Schema):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(Schema):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(Schema):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class ResponseFormat(Schema):
+    type: Literal["text", "json_object"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(Schema):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Schema):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,117 @@
+"""Graceful shutdown of `kestrel serve`, and property-based fuzzing of every request schema."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server_helpers import LiveServer, free_port
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(model_folder):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--model", str(model_folder),
+                                "--port", str(port), "--served-model-name", "m"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.time() < deadline and process.poll() is None, "kestrel serve did not come up"
+                time.sleep(0.2)
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "to be", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "unavailable"
+        reader.join(60)
+        assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 2
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def junk():
+    return st.one_of(st.none(), st.booleans(), st.integers(-3, 8), st.integers(2**40, 2**70), st.floats(),
+                     st.text(max_size=12), st.lists(st.integers(-2, 500), max_size=6),
+                     st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+
+
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                 "content": st.one_of(st.text(max_size=20), junk())})
+FIELDS = {
+    "/v1/completions": {"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(0, 399), max_size=20), junk()),
+                        "echo": junk(), "logprobs": junk()},
+    "/v1/chat/completions": {"messages": st.one_of(st.lists(MESSAGE, max_size=3), junk()),
+                             "tools": junk(), "tool_choice": st.one_of(st.sampled_from(["auto", "none",
+                                                                                        "required"]), junk()),
+                             "response_format": st.one_of(st.just({"type": "json_object"}), junk()),
+                             "logprobs": junk(), "top_logprobs": junk()},
+    "/tokenize": {"prompt": st.one_of(st.text(max_size=30), junk()), "messages": st.one_of(st.lists(MESSAGE,
+                                                                                                     max_size=2),
+                                                                                             junk())},
+    "/detokenize": {"tokens": st.one_of(st.lists(st.integers(-5, 500), max_size=10), junk())},
+}
+SHARED = {"max_tokens": st.one_of(st.integers(-1, 6), junk()), "temperature": junk(), "top_p": junk(),
+          "top_k": junk(), "n": st.one_of(st.integers(-1, 3), junk()), "stop": junk(), "seed": junk(),
+          "stream": st.booleans(), "model": st.one_of(st.just("k3.1-tiny-test"), junk())}
+
+
+@st.composite
+def requests(draw):
+    path = draw(st.sampled_from(sorted(FIELDS)))
+    fields = {**FIELDS[path], **(SHARED if path.startswith("/v1") else {})}
+    chosen = draw(st.lists(st.sampled_from(sorted(fields)), unique=True))
+    return path, {name: draw(fields[name]) for name in chosen}
+
+
+def test_fuzzed_requests_never_get_5xx_and_the_server_survives(model_folder):
+    live = LiveServer(model_folder, context_length=64)
+    try:
+        with live.client(timeout=30) as http:
+            @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+            @given(requests())
+            def check(request):
+                path, body = request
+                response = http.post(path, content=json.dumps(body, default=str).encode(),
+                                     headers={"content-type": "application/json"})
+                assert response.status_code < 500, (path, body, response.text)
+                if response.status_code >= 400:
+                    assert "error" in response.json()
+            check()
+            assert http.get("/health").json() == {"status": "ok"}
+    finally:
+        live.stop()
+
+
+def test_openapi_document_lists_the_endpoints(server):
+    with server.client() as http:
+        paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(paths)
+
+

@@ -1,0 +1,180 @@
+"""Bad input, auth, overload, disconnects, failures, concurrency and metrics against live servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from server_helpers import MODEL_NAME, LiveServer
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+def gauge(http: httpx.Client, name: str) -> float:
+    text = http.get("/metrics").text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def counter(http: httpx.Client, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{name}_total{re.escape(labels)} (\S+)$", http.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    (b"{not json", 400, None, "not valid JSON"),
+    ({"prompt": 5}, 400, "prompt", "no accepted type"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": [5] * 60, "max_tokens": 10}, 400, "prompt", "60 tokens) plus max_tokens (10)"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "echo"),
+    ({"prompt": [9999]}, 400, "prompt", "integers in [0, 400)"),
+])
+def test_completion_errors(small_context_server, body, status, param, words):
+    with small_context_server.client() as http:
+        response = (http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                    if isinstance(body, bytes) else http.post("/v1/completions", json=body))
+        error = error_of(response)
+        assert response.status_code == status and error["param"] == param and words in error["message"]
+        assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_chat_errors(server):
+    with server.client() as http:
+        bad_role = http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+        assert bad_role.status_code == 400 and error_of(bad_role)["param"] == "messages.0.role"
+        no_tools = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                            "tool_choice": "required"})
+        assert no_tools.status_code == 400 and "needs tools" in error_of(no_tools)["message"]
+        unknown = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "a"}}],
+            "tool_choice": {"type": "function", "function": {"name": "b"}}})
+        assert unknown.status_code == 400 and "'b'" in error_of(unknown)["message"]
+
+
+def test_tokenize_detokenize_models_health(server):
+    with server.client() as http:
+        ids = http.post("/tokenize", json={"prompt": "to be or not"}).json()
+        assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] > 0
+        text = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+        assert text.endswith("to be or not")
+        assert http.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
+        assert http.get("/health_generate").json() == {"status": "ok"}
+        assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+@pytest.fixture(scope="module")
+def small_context_server(model_folder):
+    live = LiveServer(model_folder, context_length=64)
+    yield live
+    live.stop()
+
+
+def test_api_key(model_folder):
+    live = LiveServer(model_folder, api_key="s3cret")
+    try:
+        with live.client() as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers)
+                assert response.status_code == 401 and error_of(response)["type"] == "authentication_error"
+            ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                           headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200 and http.get("/health").status_code == 200
+    finally:
+        live.stop()
+
+
+def test_overload_answers_429_with_retry_after(model_folder):
+    live = LiveServer(model_folder, max_queued_requests=2, max_mamba_cache_size=1)
+    try:
+        async def burst():
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                body = {"prompt": "to be", "max_tokens": 30, "ignore_eos": True}
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 429} and codes.count(200) >= 2          # at least the queue's worth ran
+        rejected = next(r for r in responses if r.status_code == 429)
+        assert rejected.headers["retry-after"] == "1" and error_of(rejected)["type"] == "rate_limit_error"
+        with live.client() as http:
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    finally:
+        live.stop()
+
+
+def test_64_concurrent_streams_complete_and_metrics_agree(model_folder):
+    live = LiveServer(model_folder, page_size=4)
+    try:
+        async def one(http: httpx.AsyncClient, i: int) -> int:
+            body = {"prompt": f"all the world {i}", "max_tokens": 4 + i % 5, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            usage = None
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"usage"' in line:
+                        usage = httpx.Response(200, content=line[6:]).json()["usage"]
+            return usage["completion_tokens"]
+
+        async def run():
+            async with httpx.AsyncClient(base_url=live.url, timeout=120) as http:
+                return await asyncio.gather(*(one(http, i) for i in range(64)))
+        tokens = asyncio.run(run())
+        assert tokens == [4 + i % 5 for i in range(64)]
+        with live.client() as http:
+            assert counter(http, "kestrel_requests", '{outcome="success"}') == 64
+            assert counter(http, "kestrel_generation_tokens") == sum(tokens)
+            assert "kestrel_time_to_first_token_seconds_count 64.0" in http.get("/metrics").text
+            assert gauge(http, "kestrel_num_requests_running") == 0
+    finally:
+        live.stop()
+
+
+def test_disconnect_mid_stream_frees_memory(model_folder):
+    live = LiveServer(model_folder, page_size=4)
+    try:
+        with live.client() as http:
+            body = {"prompt": "to be", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                for i, _ in enumerate(response.iter_lines()):
+                    if i > 6:
+                        break
+                assert gauge(http, "kestrel_kv_cache_usage_ratio") > 0
+            deadline = time.time() + 10
+            while gauge(http, "kestrel_kv_cache_usage_ratio") > 0 or gauge(http, "kestrel_state_pool_usage_ratio"):
+                assert time.time() < deadline, "the aborted request still holds memory"
+                time.sleep(0.05)
+            assert counter(http, "kestrel_requests", '{outcome="abort"}') == 1
+    finally:
+        live.stop()
+
+
+def test_a_failing_request_gets_500_and_the_others_finish(model_folder, monkeypatch):
+    live = LiveServer(model_folder, page_size=4)
+    engine = live.engine.engine
+    original = engine._append
+
+    def fail_one(seq, token, result, row):
+        if seq.request.prompt_ids[-1] == 13:          # the poisoned request
+            raise RuntimeError("detokenizer exploded")
+        original(seq, token, result, row)
+    monkeypatch.setattr(engine, "_append", fail_one)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                bodies = [{"prompt": [5, 6, t], "max_tokens": 5} for t in (11, 12, 13, 14)]
+                return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+        responses = asyncio.run(run())
+        assert [r.status_code for r in responses] == [200, 200, 500, 200]
+        assert "detokenizer exploded" in error_of(responses[2])["message"]
+        with live.client() as http:
+            assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        live.stop()

@@ -22,6 +22,7 @@ from kestrel.models.checkpoint import build_model, save_model
 from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
 from kestrel.server.app import create_app
+from kestrel.server.chat import XTML_CHAT_TEMPLATE
 
 VOCAB = 400
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "<|MASK|>"]
@@ -43,7 +44,7 @@ def write_model_folder(folder: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(folder / "tokenizer.json"))
-    template = (Path(__file__).parent / "server" / "chat_template.jinja").read_text()
+    template = XTML_CHAT_TEMPLATE.read_text()
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>", "pad_token": "[PAD]", "add_bos_token": True,
         "additional_special_tokens": SPECIALS[3:], "chat_template": template}))

@@ -10,6 +10,8 @@ with `<|open|>think<|sep|>`, is laid out as
 
 and ends with `<|end_of_msg|>` (the EOS). The think-closing marker is optional in practice: a tool call that
 starts while the reply is still in its reasoning ends the reasoning instead of being lost.
+
+XTML_CHAT_TEMPLATE is the jinja chat template that writes this format (kestrel's bundled model ships it).
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine.tokenizer import Tokenizer
 from .protocol import Message, Tool
+
+XTML_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 THINK_OPEN = "<|open|>think<|sep|>"
 THINK_CLOSE = "<|close|>think<|sep|>"

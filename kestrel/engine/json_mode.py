@@ -4,7 +4,7 @@ A byte-level pushdown automaton tracks where the output stands in the JSON gramm
 object). Before each sampling step, every vocabulary token is checked against the current state (masks are
 cached per state): a token is allowed if its bytes keep the text a valid prefix; EOS only once the object is
 complete. Bytes >= 0x80 are accepted inside strings only, as parts of UTF-8 characters. At most MAX_SPACE
-whitespace bytes may follow each other, so a model cannot stall in whitespace forever.
+whitespace bytes may follow each other (room for indented output), so a model cannot stall in whitespace.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_SPACE = 2
+MAX_SPACE = 20
 _SPACE = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")

@@ -281,7 +281,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
                     for j, c in enumerate(output.outputs):
                         text_from, tokens_from = sent.get((i, j), (0, 0))
                         first = (i, j) not in sent
-                        if len(c.text) == text_from and not c.finish_reason and not (body.echo and first):
+                        if len(c.token_ids) == tokens_from and not c.finish_reason and not (body.echo and first):
                             continue
                         chunk_choices.append(choice(i, output, j, text_from, tokens_from, body.echo and first))
                         sent[(i, j)] = (len(c.text), len(c.token_ids))

@@ -1,4 +1,4 @@
-"""The `kestrel` command line: inspect a config, make a random checkpoint, quantize experts, generate, serve.
+"""The `kestrel` command line: inspect, random-model, quantize-experts, generate, serve, bench, eval.
 
 Bad input exits with status 2 and one sentence on stderr.
 """
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .bench.cli import add_commands as add_bench_commands
+from .bench.client import ServerError
 from .config import load_config, parse_config
 from .engine.args import EngineArgs
 from .engine.llm import LLM
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as e:   # ConfigError, CheckpointError, UsageError, bad engine or sampling arguments
+    except (ValueError, ServerError) as e:   # bad arguments or input; a benchmark's server that cannot be used
         print(f"kestrel {args.command}: {e}", file=sys.stderr)
         return 2
 
@@ -80,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=None, help="answer 429 beyond this many queued")
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_serve)
+    add_bench_commands(sub)
     return parser
 
 

@@ -93,7 +93,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         _check_model(state, body.model)
         tokenizer = _tokenizer(state)
         if body.messages is not None:
-            text, add_special = render_chat(tokenizer, body.messages, None), False
+            text = render_chat(tokenizer, body.messages, None, body.add_generation_prompt)
+            add_special = body.add_special_tokens
         elif body.prompt is not None:
             text, add_special = body.prompt, body.add_special_tokens
         else:

@@ -139,6 +139,7 @@ class TokenizeRequest(Schema):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(Schema):

@@ -1,0 +1,1 @@
+"""Benchmarks and evals of any OpenAI-compatible server: load generation, workloads, metrics, cards."""

@@ -1,0 +1,171 @@
+"""Running a benchmark: closed loop (a concurrency cap) or open loop (Poisson arrivals), warm-up, a request or
+time bound, agentic lanes that replay sessions; one result per concurrency, as JSON plus a Markdown summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .agentic import AgenticShape, Chain, Session, describe, sessions
+from .client import Client, RequestSpec, ServerError, server_info
+from .metrics import RequestRecord, summarize
+from .workloads import FileWorkload, RandomWorkload
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    base_url: str
+    model: str
+    workload: str                      # random | agentic | file
+    num_prompts: int
+    concurrency: int
+    request_rate: float | None = None  # open loop (requests/s, Poisson); None: closed loop
+    duration_s: float | None = None    # stop dispatching after this long (in-flight requests finish)
+    warmup: int = 1
+    num_gpus: int = 1
+    seed: int = 0
+    api_key: str | None = None
+
+
+async def run_requests(config: RunConfig, warmup: list[RequestSpec], specs: list[RequestSpec],
+                       progress: bool) -> dict:
+    """Send the warm-up requests, then the measured ones; the run's records and duration."""
+    client = Client(config.base_url, config.model, config.api_key)
+    try:
+        for spec in warmup:
+            await client.send(spec)
+        client.clock_start = time.perf_counter()
+        records: list[RequestRecord] = []
+        limit = asyncio.Semaphore(config.concurrency)
+        rng = random.Random(config.seed)
+        bar = tqdm(total=len(specs), disable=not progress, desc=f"c={config.concurrency}", unit="req")
+
+        async def one(spec: RequestSpec) -> None:
+            async with limit:
+                record, _ = await client.send(spec)
+                records.append(record)
+                bar.update(1)
+
+        tasks = []
+        for spec in specs:
+            if config.duration_s is not None and client.now() > config.duration_s:
+                break
+            tasks.append(asyncio.create_task(one(spec)))
+            if config.request_rate:
+                await asyncio.sleep(rng.expovariate(config.request_rate))
+        await asyncio.gather(*tasks)
+        bar.close()
+        return {"records": records, "duration_s": client.now()}
+    finally:
+        await client.close()
+
+
+async def run_agentic(config: RunConfig, all_sessions: list[Session], think_scale: float, progress: bool) -> dict:
+    """`concurrency` lanes, each replaying whole sessions (sub-agents included) one after another."""
+    client = Client(config.base_url, config.model, config.api_key)
+    records: list[RequestRecord] = []
+    queue = list(reversed(all_sessions))
+    dispatched = 0
+    bar = tqdm(total=config.num_prompts, disable=not progress, desc=f"lanes={config.concurrency}", unit="req")
+
+    def budget_left() -> bool:
+        within_time = config.duration_s is None or client.now() < config.duration_s
+        return within_time and dispatched < config.num_prompts
+
+    async def chain(c: Chain) -> None:
+        nonlocal dispatched
+        for turn in c.turns:
+            await asyncio.sleep(turn.think_before * think_scale)
+            if not budget_left():
+                return
+            dispatched += 1
+            body = {"messages": turn.messages, "max_tokens": turn.max_tokens, "ignore_eos": True, "temperature": 0}
+            record, _ = await client.send(RequestSpec("chat", body))
+            records.append(record)
+            bar.update(1)
+            if turn.spawn:
+                await asyncio.gather(*(chain(child) for child in turn.spawn))
+
+    async def lane() -> None:
+        while queue and budget_left():
+            await chain(queue.pop().main)
+
+    try:
+        await asyncio.gather(*(lane() for _ in range(config.concurrency)))
+        bar.close()
+        return {"records": records, "duration_s": client.now()}
+    finally:
+        await client.close()
+
+
+def _server_info_or_error(config: RunConfig) -> dict:
+    """Server info after a run; a server that went away mid-run must not cost the results."""
+    try:
+        return asyncio.run(server_info(config.base_url, config.api_key))
+    except ServerError as e:
+        return {"error": str(e)}
+
+
+def result_document(config: RunConfig, run: dict, workload: dict, command: list[str], before: dict,
+                    after: dict) -> dict:
+    metrics = summarize(run["records"], run["duration_s"], config.num_gpus)
+    return {"command": command, "config": {k: v for k, v in asdict(config).items() if k != "api_key"},
+            "workload": workload, "partial": metrics["failed"] > 0 or "error" in after,
+            "server_before": before, "server_after": after, "metrics": metrics,
+            "requests": [asdict(r) for r in run["records"]]}
+
+
+def run_sweep(config: RunConfig, concurrencies: list[int], output: Path, command: list[str], *, input_len: int,
+              output_len: int, range_ratio: float, file: Path | None, shape: AgenticShape, think_scale: float,
+              progress: bool = True) -> list[Path]:
+    """One run per concurrency; writes <output>/<workload>-c<C>.json and <output>/summary.md."""
+    output.mkdir(parents=True, exist_ok=True)
+    written = []
+    for concurrency in concurrencies:
+        run_config = RunConfig(**{**asdict(config), "concurrency": concurrency})
+        before = asyncio.run(server_info(config.base_url, config.api_key))
+        if config.workload == "agentic":
+            corpus = sessions(shape)
+            workload = {"name": "agentic", "shape": asdict(shape), "think_scale": think_scale,
+                        "generated": describe(corpus)}
+            run = asyncio.run(run_agentic(run_config, corpus, think_scale, progress))
+        else:
+            if config.workload == "random":
+                generator = RandomWorkload(input_len, output_len, range_ratio, config.seed)
+                specs = generator.requests(config.num_prompts + config.warmup, config.base_url, config.api_key)
+                workload = {"name": "random", **asdict(generator)}
+            else:
+                specs = FileWorkload(file, output_len).requests(config.num_prompts + config.warmup)
+                workload = {"name": "file", "path": str(file), "output_len": output_len}
+            run = asyncio.run(run_requests(run_config, specs[:config.warmup], specs[config.warmup:], progress))
+        after = _server_info_or_error(config)
+        document = result_document(run_config, run, workload, command, before, after)
+        path = output / f"{config.workload}-c{concurrency}.json"
+        path.write_text(json.dumps(document, indent=1))
+        written.append(path)
+    (output / "summary.md").write_text(summary_markdown([json.loads(p.read_text()) for p in written]))
+    return written
+
+
+def summary_markdown(results: list[dict]) -> str:
+    rows = ["| workload | concurrency | completed | failed | req/s | output tok/s | total tok/s/GPU | "
+            "TTFT median ms | TPOT median ms | ITL p90 ms | AgentX tok/s/GPU | p90 interactivity tok/s |",
+            "|" + "---|" * 12]
+    for r in results:
+        m = r["metrics"]
+        ms = lambda d, k: "-" if d[k] is None else f"{1000 * d[k]:.1f}"  # noqa: E731
+        interactivity = m["agentx"]["p90_interactivity"]
+        rows.append(f"| {r['workload']['name']} | {r['config']['concurrency']} | {m['completed']} | {m['failed']} | "
+                    f"{m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
+                    f"{m['total_token_throughput_per_gpu']:.1f} | {ms(m['ttft_s'], 'median')} | "
+                    f"{ms(m['tpot_s'], 'median')} | {ms(m['itl_s'], 'p90')} | {m['agentx']['total_tput_per_gpu']:.1f} | "
+                    f"{'-' if interactivity is None else f'{interactivity:.1f}'} |")
+    failures = {k: v for r in results for k, v in r["metrics"]["failure_reasons"].items()}
+    notes = [f"- failures: {failures}"] if failures else []
+    return "\n".join(["# Benchmark summary", "", *rows, "", *notes]) + "\n"

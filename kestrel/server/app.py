@@ -259,18 +259,17 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         c = output.outputs[j]
         text, ids, entries = (c.text[text_from:], c.token_ids[tokens_from:],
                               (c.logprobs or [])[tokens_from:]) if generated else ("", [], [])
+        prompt_text = ""
+        if body.echo:           # offsets count the echoed prompt, which the first chunk carries
+            prompt_text = output.prompt if output.prompt is not None else _decode(tokenizer, output.prompt_token_ids)
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, ids, entries, text_from)
-        if echo_prompt:
-            prompt_text = output.prompt if output.prompt is not None else _decode(tokenizer, output.prompt_token_ids)
-            text = prompt_text + text
-            if logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, ids, entries, len(prompt_text) + text_from)
+            if echo_prompt:
                 head = completion_logprobs(tokenizer, output.prompt_token_ids, output.prompt_logprobs or [], 0)
-                logprobs = {k: head[k] + [o + len(prompt_text) for o in logprobs[k]] if k == "text_offset"
-                            else head[k] + logprobs[k] for k in head}
-        return {"index": prompt_index * n + j, "text": text, "logprobs": logprobs,
-                "finish_reason": _finish(c.finish_reason, generated)}
+                logprobs = {k: head[k] + logprobs[k] for k in head}
+        return {"index": prompt_index * n + j, "text": prompt_text + text if echo_prompt else text,
+                "logprobs": logprobs, "finish_reason": _finish(c.finish_reason, generated)}
 
     if body.stream:
         async def events() -> AsyncIterator[str]:

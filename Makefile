@@ -25,7 +25,9 @@ serve: $(VENV)/.runtime
 	@test -f $(DEMO_MODEL)/config.json || $(KESTREL) random-model k3.1-tiny --out $(DEMO_MODEL)
 	$(KESTREL) serve --model $(DEMO_MODEL) --served-model-name k3.1-tiny-random
 
+# The cookbook page is tested in a real headless browser (Debian's chromium, installed when missing).
 test: $(VENV)/.test
+	sh tools/install_browser.sh
 	$(PY) -m pytest -q
 
 clean:

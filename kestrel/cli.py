@@ -1,4 +1,5 @@
-"""The `kestrel` command line: inspect, random-model, quantize-experts, generate, serve, bench, eval.
+"""The `kestrel` command line: inspect, random-model, quantize-experts, generate, serve, bench, eval, and the
+cookbook's plan, recipe, verify, matrix and site.
 
 Bad input exits with status 2 and one sentence on stderr.
 """
@@ -17,6 +18,7 @@ import torch
 from .bench.cli import add_commands as add_bench_commands
 from .bench.client import ServerError
 from .config import load_config, parse_config
+from .cookbook.cli import add_commands as add_cookbook_commands
 from .engine.args import EngineArgs
 from .engine.llm import LLM
 from .engine.sampling import SamplingParams
@@ -83,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_serve)
     add_bench_commands(sub)
+    add_cookbook_commands(sub)
     return parser
 
 

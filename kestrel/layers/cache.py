@@ -3,6 +3,9 @@
 These are plain containers; deciding which slot and which pages a request owns is the engine's job. A sequence's
 KDA state lives in one slot (recurrent state plus the conv inputs the short convolution still needs); its MLA
 cache lives in pages of `page_size` tokens, addressed through the batch's page table.
+
+Storage is left uninitialised (memory is only touched as it is used): the layers never let a value influence a
+result before it was written, since a fresh sequence ignores its slot and attention ignores unwritten rows.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class PagedRows:
 
     @classmethod
     def allocate(cls, rows: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> PagedRows:
-        values = torch.zeros(rows, dim, dtype=dtype, device=device)
-        scales = torch.ones(rows, dtype=torch.float32, device=device) if dtype == FP8 else None
+        values = torch.empty(rows, dim, dtype=dtype, device=device)
+        scales = torch.empty(rows, dtype=torch.float32, device=device) if dtype == FP8 else None
         return cls(values, scales)
 
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
@@ -84,15 +87,15 @@ class HybridCache:
     def allocate(cls, config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
                  kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> HybridCache:
-        """Zeroed storage for num_slots sequences' KDA state and num_pages pages of MLA cache.
+        """Storage (uninitialised) for num_slots sequences' KDA state and num_pages pages of MLA cache.
 
         dtype: the conv state's (the model's activations); state_dtype: the recurrent state's; kv_dtype: the paged
         cache's (default dtype; torch.float8_e4m3fn stores FP8 with a scale per token).
         """
         hk = config.kda_num_heads * config.kda_head_dim
         kda = [KDAState(
-            conv=torch.zeros(num_slots, config.conv_kernel_size - 1, 3 * hk, dtype=dtype, device=device),
-            recurrent=torch.zeros(num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
+            conv=torch.empty(num_slots, config.conv_kernel_size - 1, 3 * hk, dtype=dtype, device=device),
+            recurrent=torch.empty(num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
                                   dtype=state_dtype, device=device),
         ) for _ in config.kda_layers]
         rows, kv_dtype = num_pages * page_size, kv_dtype or dtype

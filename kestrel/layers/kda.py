@@ -96,6 +96,6 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError("a batch with cached prefixes needs the cache that holds them.")
             return None, None
         keep = (batch.prefix_lens > 0).view(-1, 1, 1)
-        conv = state.conv[batch.state_slots] * keep
-        recurrent = state.recurrent[batch.state_slots].float() * keep.unsqueeze(-1)
+        conv = torch.where(keep, state.conv[batch.state_slots], 0)
+        recurrent = torch.where(keep.unsqueeze(-1), state.recurrent[batch.state_slots].float(), 0)
         return conv, recurrent

@@ -82,11 +82,12 @@ class GatedMLA(nn.Module):
         self.indexer = LightningIndexer(config) if with_indexer else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None,
-                index_scores_out: list | None = None) -> torch.Tensor:
+                index_scores_out: list | None = None, attention_out: list | None = None) -> torch.Tensor:
         """x: [T, hidden] (after input_layernorm) -> [T, hidden].
 
         Writes the new tokens' latents (and index keys) to the cache, then attends over each whole sequence.
-        index_scores_out, when given, receives the indexer's scores [N, L, S] (indexer training uses them).
+        index_scores_out, when given, receives the indexer's scores [N, L, S] (indexer training uses them);
+        attention_out receives the heads' mean attention distribution (see attention_distribution).
         """
         num_tokens = x.shape[0]
         if hasattr(self, "q_a_proj"):
@@ -108,6 +109,8 @@ class GatedMLA(nn.Module):
             mask = ops.topk_mask(scores, mask, self.indexer.topk)
 
         q = batch.to_padded(q)
+        if attention_out is not None:
+            attention_out.append(self.attention_distribution(q, context, mask))
         absorbed = self.form == ABSORBED or (self.form == AUTO and batch.max_new == 1)
         o = self._absorbed(q, context, mask) if absorbed else self._plain(q, context, mask)
         o = batch.from_padded(o).reshape(num_tokens, -1)
@@ -124,12 +127,13 @@ class GatedMLA(nn.Module):
             keys = batch.to_padded(index_keys) if index_keys is not None else None
             return batch.to_padded(latent), keys
         pages = cache.mla[self.mla_index]
+        written = (torch.arange(batch.max_total, device=latent.device) < batch.seq_lens.unsqueeze(1)).unsqueeze(-1)
         pages.latent.write(batch.kv_write_index, latent)
-        context = pages.latent.read(batch.kv_read_index, latent.dtype)
+        context = torch.where(written, pages.latent.read(batch.kv_read_index, latent.dtype), 0)
         keys = None
         if index_keys is not None:
             pages.index_keys.write(batch.kv_write_index, index_keys)
-            keys = pages.index_keys.read(batch.kv_read_index, index_keys.dtype)
+            keys = torch.where(written, pages.index_keys.read(batch.kv_read_index, index_keys.dtype), 0)
         return context, keys
 
     @staticmethod
@@ -140,12 +144,28 @@ class GatedMLA(nn.Module):
 
     def _plain(self, q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [N, L, H, 192], context [N, S, 576] -> [N, L, H, v_dim]; keys and values expanded per head."""
+        k, v = self._expand(context)
+        return ops.masked_attention(q, k, v, mask, self.scale)
+
+    def _expand(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """context [N, S, 576] -> per-head keys [N, S, H, 192] and values [N, S, H, v_dim]."""
         n, s = context.shape[:2]
         kv = self.kv_b_proj(context[..., :self.latent_dim]).view(n, s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k_shared = context[..., self.latent_dim:].unsqueeze(2).expand(-1, -1, self.num_heads, -1)
-        k = torch.cat([k_nope, k_shared], dim=-1)
-        return ops.masked_attention(q, k, v, mask, self.scale)
+        return torch.cat([k_nope, k_shared], dim=-1), v
+
+    @torch.no_grad()
+    def attention_distribution(self, q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The attention probabilities averaged over heads, [N, L, S] fp32 without gradient (zero where mask is
+        False): the target of DeepSeek-V3.2's indexer training, and what indexer selection should recover.
+
+        q [N, L, H, 192], context [N, S, 576], mask [N, L, S] bool (the keys this layer attends to).
+        """
+        k, _ = self._expand(context)
+        scores = torch.einsum("nlhd,nshd->nhls", q.float(), k.float()) * self.scale
+        probs = torch.softmax(scores.masked_fill(~mask.unsqueeze(1), torch.finfo(torch.float32).min), dim=-1)
+        return (probs * mask.unsqueeze(1)).mean(1)
 
     def _absorbed(self, q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [N, L, H, 192], context [N, S, 576] -> [N, L, H, v_dim]; attention over the shared latent."""

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
+from ..cookbook.web import site_files
 from ..engine.async_engine import AsyncEngine, RequestFailed
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
@@ -51,6 +52,7 @@ class ServerState:
     max_queued_requests: int | None
     metrics: Metrics
     draining: bool = False
+    cookbook_files: dict[str, tuple[bytes, str]] | None = None
 
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -78,6 +80,20 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         async for _ in engine.generate(new_id("health"), [engine.engine.config.bos_token_id or 0], params):
             pass
         return {"status": "ok"}
+
+    @app.get("/cookbook")
+    async def cookbook_root() -> Response:
+        return RedirectResponse("/cookbook/")
+
+    @app.get("/cookbook/{name:path}")
+    async def cookbook(name: str) -> Response:
+        """The deployment cookbook's page (built once, on first use, in a worker thread: it takes seconds)."""
+        if state.cookbook_files is None:
+            state.cookbook_files = await asyncio.to_thread(site_files)
+        body = state.cookbook_files.get(name or "index.html")
+        if body is None:
+            raise ApiError(404, f"the cookbook has no file {name!r}.", kind="not_found_error")
+        return Response(body[0], media_type=body[1])
 
     @app.get("/metrics")
     async def metrics() -> Response:

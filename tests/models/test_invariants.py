@@ -33,9 +33,13 @@ class Runner:
         pages = -(-max_len // page_size)
         self.cache = HybridCache.allocate(model.config, num_slots=num_seqs + 2, num_pages=num_seqs * pages + 3,
                                           page_size=page_size, dtype=torch.float32)
-        for state in self.cache.kda:   # garbage in free slots must not leak into new sequences
-            state.recurrent.normal_()
-            state.conv.normal_()
+        for state in self.cache.kda:   # garbage (even NaN) in free slots must not leak into new sequences
+            state.recurrent.fill_(float("nan"))
+            state.conv.fill_(float("nan"))
+        for layer in self.cache.mla:   # nor in rows no sequence has written
+            for paged in (layer.latent, layer.index_keys):
+                if paged is not None:
+                    paged.values.fill_(float("nan"))
         perm = torch.randperm(num_seqs * pages + 3, generator=torch.Generator().manual_seed(0))
         self.page_table = perm[: num_seqs * pages].view(num_seqs, pages)
         self.slots = list(range(num_seqs + 1, 0, -1))[:num_seqs]

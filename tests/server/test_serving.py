@@ -178,3 +178,13 @@ def test_a_failing_request_gets_500_and_the_others_finish(model_folder, monkeypa
             assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     finally:
         live.stop()
+
+
+def test_cookbook_page_is_served(server):
+    with server.client(follow_redirects=False) as http:
+        assert http.get("/cookbook").headers["location"] == "/cookbook/"
+        page = http.get("/cookbook/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        data = http.get("/cookbook/data.js")
+        assert data.status_code == 200 and data.text.startswith("window.COOKBOOK")
+        assert http.get("/cookbook/nope.js").status_code == 404

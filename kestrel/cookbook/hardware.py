@@ -1,0 +1,149 @@
+"""The accelerator catalog: sourced facts per device, read from `data/hardware.json`.
+
+Every number carries its source and a flag ("vendor claim", "measured", "third-party report"); a missing number is
+"unknown" (no public source) or "none" (the device lacks the capability). Nothing here estimates: the planner asks
+a Fact whether it is known and says which of its answers an unknown blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+CATALOG_FILE = Path(__file__).parent / "data" / "hardware.json"
+CPU = "cpu"
+"""The id of the machine kestrel runs on when it has no accelerator (not in the catalog: measured at run time)."""
+
+_BYTES = {"GB": 10**9, "GiB": 2**30, "MiB": 2**20}
+_BYTES_PER_S = {"TB/s": 10**12, "GB/s": 10**9}
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One sourced number (or flag) about a device."""
+
+    value: float | bool | None
+    unit: str
+    flag: str                       # vendor claim | measured | third-party report | unknown | none
+    source: str
+    tag: str | None = None          # hardware.md's own flag: VD, VC, 3P-M, 3P-R
+    note: str | None = None
+    alternatives: tuple[Fact, ...] = ()
+
+    @property
+    def known(self) -> bool:
+        return self.value is not None
+
+    def describe(self) -> str:
+        """'288 GB (vendor claim: N12 ...)', or 'unknown (...)'."""
+        if self.value is None:
+            return f"{self.flag} ({self.source})"
+        return f"{self.value:g} {self.unit} ({self.flag}: {self.source})"
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"value": self.value, "unit": self.unit, "flag": self.flag, "source": self.source}
+        if self.tag:
+            d["tag"] = self.tag
+        if self.note:
+            d["note"] = self.note
+        if self.alternatives:
+            d["alternatives"] = [a.as_dict() for a in self.alternatives]
+        return d
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or machine) with its facts, keyed as in hardware.json."""
+
+    id: str
+    name: str
+    vendor: str
+    section: str                    # hardware.md section
+    cuda_names: tuple[str, ...]     # substrings of torch.cuda.get_device_name that identify it
+    facts: dict[str, Fact] = field(hash=False)
+
+    def fact(self, name: str) -> Fact:
+        return self.facts[name]
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Memory per device in bytes, or None when unknown."""
+        memory = self.facts["memory"]
+        return None if memory.value is None else int(memory.value * _BYTES[memory.unit])
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float | None:
+        """Memory bandwidth per device in bytes/s, or None when unknown."""
+        bandwidth = self.facts["memory_bandwidth"]
+        return None if bandwidth.value is None else bandwidth.value * _BYTES_PER_S[bandwidth.unit]
+
+    @property
+    def ranks_per_device(self) -> int:
+        """Engine ranks per device: 2 for an Ascend 910C (two dies), else 1."""
+        ranks = self.facts.get("ranks_per_device")
+        return int(ranks.value) if ranks is not None and ranks.value else 1
+
+    @property
+    def devices_per_node(self) -> int | None:
+        per_node = self.facts["devices_per_node"]
+        return None if per_node.value is None else int(per_node.value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "vendor": self.vendor, "section": self.section,
+                "facts": {k: f.as_dict() for k, f in self.facts.items()}}
+
+
+def _fact(raw: dict[str, Any]) -> Fact:
+    return Fact(value=raw.get("value"), unit=raw.get("unit", ""), flag=raw["flag"], source=raw["source"],
+                tag=raw.get("tag"), note=raw.get("note"),
+                alternatives=tuple(_fact(a) for a in raw.get("alternatives", ())))
+
+
+@cache
+def catalog() -> dict[str, Device]:
+    """Every device of the catalog, by id, in the order of hardware.json."""
+    raw = json.loads(CATALOG_FILE.read_text())
+    devices = {}
+    for entry in raw["devices"]:
+        facts = {k: _fact(v) for k, v in entry.items() if isinstance(v, dict)}
+        devices[entry["id"]] = Device(id=entry["id"], name=entry["name"], vendor=entry["vendor"],
+                                      section=entry["section"], cuda_names=tuple(entry["cuda_names"]), facts=facts)
+    return devices
+
+
+def local_cpu() -> Device:
+    """This machine's CPU as a device: its RAM (measured now); bandwidth and throughput unknown."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    unknown = "not measured by kestrel"
+    facts = {
+        "memory": Fact(ram / 2**20, "MiB", "measured", "this machine (os.sysconf)"),
+        "memory_bandwidth": Fact(None, "TB/s", "unknown", unknown),
+        "bf16_dense": Fact(None, "TFLOPS", "unknown", unknown),
+        "fp8_dense": Fact(None, "TFLOPS", "unknown", unknown),
+        "fp4_dense": Fact(None, "TFLOPS", "unknown", unknown),
+        "scale_up_bandwidth": Fact(None, "GB/s", "none", "one machine"),
+        "devices_per_node": Fact(1, "per machine", "measured", "this machine"),
+        "scale_up_domain": Fact(1, "per machine", "measured", "this machine"),
+        "native_fp4": Fact(None, "", "unknown", unknown),
+    }
+    return Device(id=CPU, name="this machine's CPU", vendor="", section="", cuda_names=(), facts=facts)
+
+
+def get_device(device_id: str) -> Device:
+    """The catalog device `device_id` (or `cpu`: this machine); a ValueError lists the choices otherwise."""
+    if device_id == CPU:
+        return local_cpu()
+    devices = catalog()
+    if device_id not in devices:
+        raise ValueError(f"unknown hardware {device_id!r}; choose one of: {', '.join([*devices, CPU])}.")
+    return devices[device_id]
+
+
+def device_for_cuda_name(name: str) -> Device | None:
+    """The catalog device whose name torch reports as `name` (longest match wins: GB300 before B300)."""
+    matches = [(len(n), d) for d in catalog().values() for n in d.cuda_names if n.lower() in name.lower()]
+    return max(matches, key=lambda m: m[0])[1] if matches else None

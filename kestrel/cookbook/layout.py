@@ -1,0 +1,105 @@
+"""Parallel layouts as SGLang spells them, checked against a model, and what each rank holds under them.
+
+World size = tp x pp ranks. Within a TP group: DP attention splits it into dp attention groups of tp / dp ranks
+(attention TP); expert parallelism (ep) and decode context parallelism (dcp) subdivide it; pipeline parallelism
+(pp) cuts the layers into pp contiguous stages of (nearly) equal layer counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .hardware import Device
+from .model import ATTENTION, DENSE, EXPERTS, REPLICATED, VOCAB, ModelFacts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes (SGLang's --tp-size, --dp-size with DP attention, --ep-size, --pp-size, --dcp-size)."""
+
+    tp: int = 8
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dcp: int = 1
+
+    @property
+    def world(self) -> int:
+        """Engine ranks."""
+        return self.tp * self.pp
+
+    @property
+    def attention_tp(self) -> int:
+        return self.tp // self.dp
+
+    def divisors(self) -> dict[str, int]:
+        """How many ranks share each sharding class's bytes."""
+        return {EXPERTS: self.tp, ATTENTION: self.attention_tp, DENSE: self.tp, VOCAB: self.attention_tp,
+                REPLICATED: 1}
+
+    def stages(self, num_layers: int) -> list[range]:
+        """The layers of each pipeline stage."""
+        bounds = [s * num_layers // self.pp for s in range(self.pp + 1)]
+        return [range(bounds[s], bounds[s + 1]) for s in range(self.pp)]
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}"]
+        parts += [f"{name}{size}" for name, size in (("DP", self.dp), ("EP", self.ep), ("PP", self.pp),
+                                                     ("DCP", self.dcp)) if size > 1]
+        return " x ".join(parts)
+
+
+def check_layout(layout: Layout, model: ModelFacts) -> None:
+    """Raise one ValueError naming the first constraint the layout breaks for this model."""
+    for name, size in (("tp", layout.tp), ("dp", layout.dp), ("ep", layout.ep), ("pp", layout.pp),
+                       ("dcp", layout.dcp)):
+        if size < 1:
+            raise ValueError(f"--{name} must be at least 1, got {size}.")
+    if layout.tp % layout.dp:
+        raise ValueError(f"--dp {layout.dp} must divide --tp {layout.tp} (DP attention splits the TP group).")
+    mla_heads, kda_heads = model.attention_heads
+    for kind, heads in (("MLA", mla_heads), ("KDA", kda_heads)):
+        if heads % layout.attention_tp:
+            raise ValueError(f"{model.name} has {heads} {kind} heads, not divisible by the attention TP size "
+                             f"{layout.attention_tp} (tp {layout.tp} / dp {layout.dp}); pick a tp / dp that divides "
+                             f"{heads}.")
+    if layout.tp % layout.ep:
+        raise ValueError(f"--ep {layout.ep} must divide --tp {layout.tp} (experts are spread over the TP group).")
+    experts = model.config.num_experts
+    if experts and experts % layout.ep:
+        raise ValueError(f"{model.name} has {experts} routed experts, not divisible by --ep {layout.ep}.")
+    if layout.attention_tp % layout.dcp:
+        raise ValueError(f"--dcp {layout.dcp} must divide the attention TP size {layout.attention_tp}.")
+    if layout.pp > model.num_layers:
+        raise ValueError(f"--pp {layout.pp} exceeds the model's {model.num_layers} layers.")
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the ranks land on devices and nodes."""
+
+    ranks: int
+    devices: int
+    devices_per_node: int | None    # None when the catalog does not know
+    nodes: int | None
+
+    def describe(self) -> str:
+        if self.nodes is None:
+            return f"{self.devices} devices (node size unknown)"
+        return f"{self.nodes} x {self.devices_per_node} ({self.devices} devices)"
+
+
+def node_layout(layout: Layout, device: Device, nodes: int | None = None) -> NodeLayout:
+    """Devices and nodes for `layout` on `device`; `nodes`, when given, must hold every rank."""
+    devices = math.ceil(layout.world / device.ranks_per_device)
+    per_node = device.devices_per_node
+    if nodes is not None:
+        if nodes < 1:
+            raise ValueError(f"--nodes must be at least 1, got {nodes}.")
+        if per_node is not None and nodes * per_node < devices:
+            raise ValueError(f"{nodes} node(s) of {per_node} {device.id} hold {nodes * per_node} devices, fewer than "
+                             f"the {devices} that {layout.describe()} needs.")
+        per_node = per_node or math.ceil(devices / nodes)
+        return NodeLayout(layout.world, devices, per_node, nodes)
+    return NodeLayout(layout.world, devices, per_node, math.ceil(devices / per_node) if per_node else None)

@@ -1,0 +1,173 @@
+"""What the planner needs to know about a model: its config, parameter counts, and where its weight bytes sit.
+
+Weights are classified by how the parallel layouts the planner models split them (the layouts of SGLang and vLLM
+for this family):
+- `experts`: routed experts; expert parallelism and expert tensor parallelism together span the whole TP group,
+  so each rank holds 1/tp of them.
+- `attention`: KDA and MLA projections split by heads over the attention-TP group (tp / dp).
+- `dense`: the dense first-layer MLP and the shared experts, split over the TP group.
+- `vocab`: the embedding table and the LM head, split by vocabulary over the attention-TP group.
+- `replicated`: every rank holds a copy: norms, AttnRes mixers, the router, the latent-MoE projections (they act
+  on the full-width latent outside the expert bank), the MLA down-projections and the indexer.
+Each byte also belongs to one layer (or to the first or last pipeline stage), so pipeline stages can be summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from functools import cache
+from types import MappingProxyType
+
+import torch
+
+from ..config import PUBLISHED_CONFIGS, ModelConfig, load_config, parse_config
+from ..layers.cache import kv_bytes_per_token, state_bytes_per_slot
+from ..models.checkpoint import build_model
+from ..models.inspect import inspect_config
+from ..models.presets import PRESETS, tiny_config
+
+EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED = "experts", "attention", "dense", "vocab", "replicated"
+SHARDINGS = (EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED)
+FIRST, LAST = -1, -2
+"""Pseudo layer indices: weights that live on the first (embedding) or last (head, final norms) pipeline stage."""
+
+_REPLICATED_ATTENTION = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "f_a_proj", "o_norm",
+                         "indexer.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+SSM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_choices() -> list[str]:
+    return [*PUBLISHED_CONFIGS, *PRESETS]
+
+
+def resolve_config(name: str) -> ModelConfig:
+    """A published model (k3, k3.1-pro, kimi-linear-48b), a tiny preset, or a config.json / model folder."""
+    if name in PRESETS:
+        return parse_config(tiny_config(name))
+    return load_config(name)
+
+
+def classify(name: str) -> str:
+    """The sharding class of the state-dict tensor `name` (see the module docstring)."""
+    if ".experts." in name:
+        return EXPERTS
+    if "embed_tokens" in name or name == "lm_head.weight":
+        return VOCAB
+    if ".shared_experts." in name or re.search(r"\.mlp\.(gate|up|down)_proj\.", name):
+        return DENSE
+    if ".self_attn." in name and not any(part in name for part in _REPLICATED_ATTENTION):
+        return ATTENTION
+    return REPLICATED
+
+
+def _layer_of(name: str) -> int:
+    match = _LAYER.match(name)
+    if match:
+        return int(match.group(1))
+    return FIRST if "embed_tokens" in name else LAST
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """A model's config and byte accounting, independent of any layout. Compared and hashed by identity (one per
+    model and dtype, see model_facts), so its methods can memoize."""
+
+    name: str
+    dtype: str                                 # the weights' and activations' dtype (bf16, fp32): DTYPES
+    config: ModelConfig
+    total_params: int
+    active_params: int
+    weight_bytes: dict[tuple[int, str], int]   # (layer or FIRST/LAST, sharding) -> bytes in the checkpoint's formats
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def attention_heads(self) -> tuple[int, int]:
+        """(MLA heads, KDA heads): the attention-TP size must divide both."""
+        return self.config.num_attention_heads, self.config.kda_num_heads
+
+    @property
+    def embedding_bytes(self) -> int:
+        """The embedding table (read only a row per token, so decode does not stream it)."""
+        return self.weight_bytes.get((FIRST, VOCAB), 0)
+
+    @cache
+    def bytes_by_sharding(self, layers: range | None = None, first: bool = True,
+                          last: bool = True) -> MappingProxyType[str, int]:
+        """Checkpoint bytes per sharding class, of the given layers (all when None) and the first/last extras."""
+        totals = dict.fromkeys(SHARDINGS, 0)
+        for (layer, sharding), n in self.weight_bytes.items():
+            if (layer == FIRST and first) or (layer == LAST and last) or (layer >= 0 and (layers is None or
+                                                                                           layer in layers)):
+                totals[sharding] += n
+        return MappingProxyType(totals)
+
+    @cache
+    def state_bytes_per_slot(self, ssm: str, layers: range | None = None) -> int:
+        """KDA recurrent (ssm dtype) + conv (activation dtype) state of one sequence over `layers` (all when None)."""
+        full = state_bytes_per_slot(self.config, DTYPES[self.dtype], SSM_DTYPES[ssm])
+        kda = self.config.kda_layers
+        return full * sum(1 for i in kda if layers is None or i in layers) // len(kda) if kda else 0
+
+    @cache
+    def latent_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
+        """MLA latent cache (576 values per layer) of one token over `layers` (all when None)."""
+        plain = dataclasses.replace(self.config, index_topk=0, num_nextn_predict_layers=0)
+        mla = self.config.mla_layers
+        per_layer = _kv_bytes(plain, kv, row_scales) // len(mla) if mla else 0
+        return per_layer * sum(1 for i in mla if layers is None or i in layers)
+
+    @cache
+    def index_key_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
+        """Lightning-indexer keys of one token over `layers` (0 without an indexer)."""
+        if not self.config.has_indexer:
+            return 0
+        no_mtp = dataclasses.replace(self.config, num_nextn_predict_layers=0)
+        keys = _kv_bytes(no_mtp, kv, row_scales) - self.latent_bytes_per_token(kv, row_scales=row_scales)
+        mla = self.config.mla_layers
+        return keys * sum(1 for i in mla if layers is None or i in layers) // len(mla)
+
+    @cache
+    def kv_bytes_per_token(self, kv: str, layers: range | None = None, last: bool = True,
+                           row_scales: bool = False) -> int:
+        """Everything cached per token over `layers` (all when None): latents plus indexer keys, and the MTP
+        layers' latents when the range ends the model (`last`)."""
+        no_mtp = dataclasses.replace(self.config, num_nextn_predict_layers=0)
+        mtp = _kv_bytes(self.config, kv, row_scales) - _kv_bytes(no_mtp, kv, row_scales)
+        return (self.latent_bytes_per_token(kv, layers, row_scales)
+                + self.index_key_bytes_per_token(kv, layers, row_scales) + (mtp if last else 0))
+
+
+def _kv_bytes(config: ModelConfig, kv: str, row_scales: bool) -> int:
+    """KV bytes per token of the whole model. FP8 with `row_scales` is kestrel's layout (a 4-byte scale per token
+    and row); without, SGLang's (per-tensor scales: one byte per value, half the bf16 size)."""
+    if kv == "fp8" and not row_scales:
+        return kv_bytes_per_token(config, torch.bfloat16) // 2
+    return kv_bytes_per_token(config, KV_DTYPES[kv])
+
+
+@cache
+def model_facts(name: str, dtype: str = "bf16") -> ModelFacts:
+    """Byte accounting of `name` (see resolve_config) with unquantized weights in `dtype`; builds the model on the
+    meta device, once per process and dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown model dtype {dtype!r}; choose one of: {', '.join(DTYPES)}.")
+    config = resolve_config(name)
+    report = inspect_config(config)
+    model = build_model(config, DTYPES[dtype], device="meta")
+    weight_bytes: dict[tuple[int, str], int] = {}
+    for tensor_name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        key = (_layer_of(tensor_name), classify(tensor_name))
+        size = tensor.numel() * tensor.element_size()
+        weight_bytes[key] = weight_bytes.get(key, 0) + size
+    return ModelFacts(name=name, dtype=dtype, config=config, total_params=report.total_params,
+                      active_params=report.active_params, weight_bytes=weight_bytes)

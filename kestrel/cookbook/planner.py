@@ -1,0 +1,340 @@
+"""`kestrel plan`: whether a model fits a hardware layout, how its memory splits, and how fast decode can go.
+
+Combines the model's byte accounting (model.py), a parallel layout (layout.py), SGLang's pool arithmetic
+(calculator.py, pools.py) and the decode roofline (roofline.py) for one device of the catalog (hardware.py).
+Unknown hardware facts stay unknown: the plan lists each with the answers it blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
+from typing import Any
+
+from .anchors import anchors, calculator_constants
+from .calculator import (CacheSettings, balanced_ratio, kv_bytes_per_token_per_rank, slots_per_request,
+                         verify_states)
+from .hardware import Device, catalog, get_device
+from .layout import Layout, NodeLayout, check_layout, node_layout
+from .model import ModelFacts, model_facts
+from .pools import Pools, size_pools
+from .roofline import DecodeStep, crossover_context, decode_step
+
+DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256)
+HICACHE_CHOICES = ("off", "host", "host+storage")
+MAX_DEVICES_SEARCHED = 4096
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything `kestrel plan` takes; defaults mirror SGLang's server defaults and the B300 cells."""
+
+    model: str = "k3"
+    hardware: str = "b300"
+    dtype: str = "bf16"                         # unquantized weights and activations (conv state)
+    layout: Layout = field(default_factory=Layout)
+    nodes: int | None = None
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    hicache: str = "off"
+    avg_request_len: int = 11264
+    mem_fraction: float = 0.85
+    ratio: float | None = None                  # a pinned --mamba-full-memory-ratio instead of the balanced one
+    max_running_requests: int | None = None
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    context: int | None = None                  # roofline context length (default: avg_request_len)
+    compare_devices: bool = True                # also find the minimum device count on every catalog device
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A fact the catalog does not know, and the answers it blocks."""
+
+    fact: str
+    source: str
+    blocks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """For one batch size: where the KV or indexer reads overtake the weight reads."""
+
+    batch: int
+    kv_context: int | None                      # dense MLA latents (no indexer)
+    indexer_context: int | None                 # lightning-indexer key scan
+    indexer_to_weights_at_max_context: float | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: PlanRequest
+    model: ModelFacts
+    device: Device
+    nodes: NodeLayout
+    weight_bytes_per_rank: dict[str, int]       # by sharding class (+ draft), heaviest pipeline stage
+    kv_bytes_per_token: int                     # whole model, one copy
+    kv_bytes_per_token_per_rank: float          # / dcp + draft KV
+    state_bytes_per_slot: int                   # whole model
+    state_bytes_per_slot_per_rank: int          # / attention TP
+    slots_per_request: int                      # S
+    verify_states: int                          # D
+    balanced_ratio: float
+    ratio: float                                # the one the pools use
+    memory_bytes_per_rank: int | None
+    pools: Pools | None                         # the tightest pipeline stage; None when the memory is unknown
+    fits: bool | None
+    fit_reason: str
+    min_devices: dict[str, int | None]
+    roofline: list[DecodeStep]
+    crossovers: list[Crossover]
+    unknowns: list[Unknown]
+    notes: list[str]
+
+    @property
+    def weight_bytes_per_rank_total(self) -> int:
+        return sum(self.weight_bytes_per_rank.values())
+
+    @property
+    def admitted_requests(self) -> int | None:
+        """Concurrency cap of the whole deployment (every attention-DP group)."""
+        return None if self.pools is None else self.pools.max_running_requests * self.request.layout.dp
+
+    def as_dict(self) -> dict[str, Any]:
+        request = asdict(self.request)
+        request["batches"] = list(self.request.batches)
+        return {
+            "request": request,
+            "model": {"name": self.model.name, "architecture": self.model.config.architecture,
+                      "total_params": self.model.total_params, "active_params": self.model.active_params},
+            "device": self.device.as_dict(),
+            "nodes": asdict(self.nodes),
+            "weight_bytes_per_rank": self.weight_bytes_per_rank,
+            "weight_bytes_per_rank_total": self.weight_bytes_per_rank_total,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_bytes_per_token_per_rank": self.kv_bytes_per_token_per_rank,
+            "state_bytes_per_slot": self.state_bytes_per_slot,
+            "state_bytes_per_slot_per_rank": self.state_bytes_per_slot_per_rank,
+            "slots_per_request": self.slots_per_request,
+            "verify_states": self.verify_states,
+            "balanced_ratio": self.balanced_ratio,
+            "ratio": self.ratio,
+            "memory_bytes_per_rank": self.memory_bytes_per_rank,
+            "pools": None if self.pools is None else asdict(self.pools),
+            "admitted_requests": self.admitted_requests,
+            "fits": self.fits,
+            "fit_reason": self.fit_reason,
+            "min_devices": self.min_devices,
+            "roofline": [step.as_dict() for step in self.roofline],
+            "crossovers": [asdict(c) for c in self.crossovers],
+            "unknowns": [asdict(u) for u in self.unknowns],
+            "notes": self.notes,
+        }
+
+
+def draft_model(model: str, spec: str) -> dict[str, Any] | None:
+    """The anchors' draft model for `model` under `spec` (None when none is recorded)."""
+    return (anchors()["models"].get(model, {}).get("spec") or {}).get(spec)
+
+
+def resolve_cache(request: PlanRequest) -> CacheSettings:
+    """The request's settings settings with the draft size defaulted from the anchors' draft model."""
+    settings = request.cache
+    if settings.spec != "none" and settings.draft_tokens == 0:
+        draft = draft_model(request.model, settings.spec)
+        if draft is None:
+            raise ValueError(f"no draft model for {request.model} under --spec {settings.spec} is recorded; give "
+                             "--draft-tokens N.")
+        settings = replace(settings, draft_tokens=draft["draft_tokens"])
+    settings.check()
+    return settings
+
+
+def _check_request(request: PlanRequest) -> None:
+    if not 0 < request.mem_fraction <= 1:
+        raise ValueError(f"--mem-fraction must be in (0, 1], got {request.mem_fraction}.")
+    if request.avg_request_len < 1:
+        raise ValueError(f"--avg-request-len must be at least 1 token, got {request.avg_request_len}.")
+    if request.hicache not in HICACHE_CHOICES:
+        raise ValueError(f"unknown --hicache {request.hicache!r}; choose one of: {', '.join(HICACHE_CHOICES)}.")
+    if request.ratio is not None and request.ratio <= 0:
+        raise ValueError(f"--ratio must be positive, got {request.ratio}.")
+    if any(b < 1 for b in request.batches):
+        raise ValueError("every --batch size must be at least 1.")
+
+
+def _stage_weights(model: ModelFacts, layout: Layout) -> list[dict[str, int]]:
+    """Weight bytes per rank by sharding class, for each pipeline stage."""
+    stages = layout.stages(model.num_layers)
+    divisors = layout.divisors()
+    return [{k: v // divisors[k] for k, v in model.bytes_by_sharding(stage, s == 0, s == len(stages) - 1).items()}
+            for s, stage in enumerate(stages)]
+
+
+def _draft_bytes(request: PlanRequest, settings: CacheSettings) -> int | None:
+    """Draft weights per rank (replicated on every rank, the conservative assumption); None when unknown."""
+    if settings.spec == "none":
+        return 0
+    draft = draft_model(request.model, settings.spec)
+    return None if draft is None else draft["draft_weight_bytes"]
+
+
+def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, stage_weights: list[dict[str, int]],
+           memory_per_rank: int, ratio: float, slots: int, verify: int) -> Pools:
+    """The tightest stage's pools (fewest admitted requests, then fewest tokens)."""
+    layout = request.layout
+    stages = layout.stages(model.num_layers)
+    budget = int(memory_per_rank * request.mem_fraction)
+    max_running = request.max_running_requests
+    if max_running is None and settings.spec != "none":
+        max_running = calculator_constants()["spec_default_max_running_requests"]
+    results = []
+    for s, stage in enumerate(stages):
+        state = model.state_bytes_per_slot(settings.ssm_dtype, stage) // layout.attention_tp
+        kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, stage, s == len(stages) - 1,
+                                                                  settings.row_scales), layout.dcp, settings)
+        rest = budget - sum(stage_weights[s].values())
+        # A stage without KDA layers needs no state memory: one byte per slot stands for "free".
+        results.append(size_pools(rest, ratio, max(state, 1), kv, slots, verify,
+                                  model.config.max_position_embeddings, max_running))
+    return min(results, key=lambda p: (p.max_running_requests, p.kv_tokens))
+
+
+def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_fraction: float, avg_request_len: int,
+                draft_bytes: int) -> int | None:
+    """The fewest devices that hold the weights (tensor parallelism, DP attention beyond the head count) and one
+    request of avg_request_len; None when the device's memory is unknown or no count up to the search limit does."""
+    memory = device.memory_bytes
+    if memory is None:
+        return None
+    heads = math.gcd(*model.attention_heads)
+    totals = model.bytes_by_sharding()
+    budget = memory // device.ranks_per_device * mem_fraction
+    slots, verify = slots_per_request(settings), verify_states(settings)
+    kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, row_scales=settings.row_scales), 1, settings)
+    for ranks in range(1, MAX_DEVICES_SEARCHED + 1):
+        attention_tp = math.gcd(ranks, heads)
+        divisors = Layout(tp=ranks, dp=ranks // attention_tp).divisors()
+        rest = budget - sum(v / divisors[k] for k, v in totals.items()) - draft_bytes
+        if rest <= 0:
+            continue
+        state = model.state_bytes_per_slot(settings.ssm_dtype) // attention_tp
+        ratio = balanced_ratio(slots, verify, state, kv, avg_request_len)
+        pools = size_pools(int(rest), ratio, state, kv, slots, verify, model.config.max_position_embeddings)
+        if pools.holds(avg_request_len):
+            return math.ceil(ranks / device.ranks_per_device)
+    return None
+
+
+def _unknowns(device: Device, request: PlanRequest, draft_bytes: int | None) -> list[Unknown]:
+    unknowns = []
+    if device.memory_bytes is None:
+        unknowns.append(Unknown(f"{device.id} memory", device.fact("memory").source,
+                                ("fits", "pool sizes", "KV token capacity", "concurrency cap", "minimum device count")))
+    if device.bandwidth_bytes_per_s is None:
+        unknowns.append(Unknown(f"{device.id} memory bandwidth", device.fact("memory_bandwidth").source,
+                                ("decode roofline tokens/s per user and per device",)))
+    if device.devices_per_node is None and request.nodes is None:
+        unknowns.append(Unknown(f"{device.id} devices per node", device.fact("devices_per_node").source,
+                                ("node count",)))
+    if draft_bytes is None:
+        draft = draft_model(request.model, request.cache.spec)
+        source = draft["draft_weight_source"] if draft else f"no draft model recorded for {request.model}"
+        unknowns.append(Unknown(f"{request.cache.spec} draft model weights", source,
+                                ("weights per rank include no draft model", "fits")))
+    return unknowns
+
+
+def _notes(request: PlanRequest, settings: CacheSettings) -> list[str]:
+    notes = ["pools are upper bounds: SGLang also subtracts CUDA graphs, activations and communication buffers, "
+             "which the planner does not model",
+             "weights: routed experts in the checkpoint's format (MXFP4 for K3), everything else bf16/fp32; "
+             "experts, dense MLPs and shared experts split over TP, attention over attention TP, the vocabulary over "
+             "attention TP, the rest replicated"]
+    if settings.kv_dtype == "fp8":
+        notes.append("fp8 KV counted in SGLang's layout (per-tensor scales, as its calculator counts it)"
+                     if settings.kv_layout == "sglang" else
+                     "fp8 KV counted in kestrel's layout (a 4-byte scale per token and row)")
+    if settings.spec != "none":
+        notes.append(f"speculation ({settings.spec}, {settings.draft_tokens} draft tokens): draft weights counted on every "
+                     "rank; SGLang resets an unset --max-running-requests to 48; the roofline assumes every drafted "
+                     "token is accepted")
+    if request.hicache != "off":
+        notes.append(f"HiCache ({request.hicache}) adds a host-memory tier for the prefix settings; the GPU pools are "
+                     "unchanged and the host tier's size is not modelled")
+    if request.layout.pp > 1:
+        notes.append("pipeline parallelism turns SGLang's overlap scheduler off (S counts a 1-slot track buffer)")
+    return notes
+
+
+def _crossovers(model: ModelFacts, steps: list[DecodeStep]) -> list[Crossover]:
+    max_context = model.config.max_position_embeddings
+    result = []
+    for step in steps:
+        at_max = (step.index_key_bytes / step.context * max_context / step.weight_bytes
+                  if step.index_key_bytes else None)
+        result.append(Crossover(step.batch, crossover_context(step, "kv"), crossover_context(step, "index_keys"),
+                                at_max))
+    return result
+
+
+@cache
+def plan(request: PlanRequest) -> Plan:
+    """Plan `request` (see the module docstring); raises ValueError for bad input or an impossible layout.
+    Plans are cached per request: treat them as read-only."""
+    _check_request(request)
+    device = get_device(request.hardware)
+    model = model_facts(request.model, request.dtype)
+    layout = request.layout
+    check_layout(layout, model)
+    settings = resolve_cache(request)
+    nodes = node_layout(layout, device, request.nodes)
+
+    stage_weights = _stage_weights(model, layout)
+    draft_bytes = _draft_bytes(request, settings)
+    for weights in stage_weights:
+        weights["draft"] = draft_bytes or 0
+    heaviest = max(stage_weights, key=lambda w: sum(w.values()))
+
+    slots = slots_per_request(settings, layout.pp)
+    verify = verify_states(settings)
+    state_rank = model.state_bytes_per_slot(settings.ssm_dtype) // layout.attention_tp
+    kv_bytes = model.kv_bytes_per_token(settings.kv_dtype, row_scales=settings.row_scales)
+    kv_rank = kv_bytes_per_token_per_rank(kv_bytes, layout.dcp, settings)
+    balanced = balanced_ratio(slots, verify, state_rank, kv_rank, request.avg_request_len)
+    ratio = request.ratio or balanced
+
+    memory = device.memory_bytes
+    memory_per_rank = None if memory is None else memory // device.ranks_per_device
+    pools = None if memory_per_rank is None else _pools(request, model, settings, stage_weights, memory_per_rank,
+                                                        ratio, slots, verify)
+    fits, reason = _fit(pools, request)
+
+    bandwidth = device.bandwidth_bytes_per_s
+    bandwidth_per_rank = None if bandwidth is None else bandwidth / device.ranks_per_device
+    tokens_per_sequence = 1 + (settings.draft_tokens if settings.spec != "none" else 0)
+    context = request.context or request.avg_request_len
+    steps = [decode_step(model, layout, settings, bandwidth_per_rank, nodes.devices, b, context, tokens_per_sequence)
+             for b in request.batches]
+    others = {d.id: min_devices(model, d, settings, request.mem_fraction, request.avg_request_len, draft_bytes or 0)
+              for d in catalog().values()} if request.compare_devices else {}
+    return Plan(request=request, model=model, device=device, nodes=nodes, weight_bytes_per_rank=heaviest,
+                kv_bytes_per_token=kv_bytes, kv_bytes_per_token_per_rank=kv_rank,
+                state_bytes_per_slot=model.state_bytes_per_slot(settings.ssm_dtype),
+                state_bytes_per_slot_per_rank=state_rank, slots_per_request=slots, verify_states=verify,
+                balanced_ratio=balanced, ratio=ratio, memory_bytes_per_rank=memory_per_rank, pools=pools, fits=fits,
+                fit_reason=reason, min_devices=others, roofline=steps, crossovers=_crossovers(model, steps),
+                unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings))
+
+
+def _fit(pools: Pools | None, request: PlanRequest) -> tuple[bool | None, str]:
+    if pools is None:
+        return None, f"unknown: the memory of {request.hardware} is not in the catalog"
+    if pools.rest_bytes <= 0:
+        return False, (f"the weights need more than --mem-fraction {request.mem_fraction} of each rank's memory "
+                       f"({-pools.rest_bytes / 1e9:.1f} GB short)")
+    if not pools.holds(request.avg_request_len):
+        return False, (f"after the weights the pools hold {pools.kv_tokens:,} KV tokens and "
+                       f"{pools.max_running_requests} requests, not one request of {request.avg_request_len:,} "
+                       "tokens")
+    return True, (f"{pools.max_running_requests:,} requests of {request.avg_request_len:,} tokens per attention-DP "
+                  "group")

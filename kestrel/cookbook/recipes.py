@@ -1,0 +1,187 @@
+"""`kestrel recipe`: launch commands for kestrel, SGLang and vLLM for one choice of model, hardware, mode,
+strategy, speculation, HiCache and quantization, with the planner's memory ratio pinned.
+
+A recipe is named by an id, `model/hardware/mode/strategy[,spec=...][,hicache=...][,quant=...]`, which evidence
+records and the verification matrix use. SGLang's page is the anchor: a combination it does not offer is refused
+with its reason; vLLM and kestrel may refuse a recipe SGLang offers, each with its own reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import sglang_recipe, vllm_recipe
+from .anchors import anchors
+from .calculator import MODES, SPEC_MODES, CacheSettings, ratio_text
+from .hardware import CPU, catalog
+from .layout import Layout
+from .planner import HICACHE_CHOICES, Plan, PlanRequest, plan
+from .sglang_recipe import RecipeRefused
+
+STRATEGIES = ("low-latency", "high-concurrency", "balanced", "high-throughput")
+QUANTS = ("mxfp4", "nvfp4", "w4a8")
+ENGINES = ("kestrel", "sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class RecipeRequest:
+    """One choice in the generator; `quant` None takes the hardware's default checkpoint."""
+
+    model: str = "k3"
+    hardware: str = "b300"
+    mode: str = "unified"
+    strategy: str = "low-latency"
+    spec: str = "none"
+    hicache: str = "off"
+    quant: str | None = None
+    avg_request_len: int = 11264
+
+    @property
+    def id(self) -> str:
+        options = [f"{k}={v}" for k, v in (("spec", self.spec), ("hicache", self.hicache), ("quant", self.quant))
+                   if v not in ("none", "off", None)]
+        return ",".join([f"{self.model}/{self.hardware}/{self.mode}/{self.strategy}", *options])
+
+    @classmethod
+    def from_id(cls, recipe_id: str, avg_request_len: int = 11264) -> RecipeRequest:
+        """Parse an id made by `.id`."""
+        head, *options = recipe_id.split(",")
+        parts = head.split("/")
+        if len(parts) != 4:
+            raise ValueError(f"a recipe id looks like model/hardware/mode/strategy[,spec=mtp][,hicache=host]"
+                             f"[,quant=nvfp4], got {recipe_id!r}.")
+        extra = {}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key not in ("spec", "hicache", "quant") or not value:
+                raise ValueError(f"unknown recipe option {option!r} in {recipe_id!r}; options are spec=, hicache=, "
+                                 "quant=.")
+            extra[key] = value
+        model, hardware, mode, strategy = parts
+        return cls(model=model, hardware=hardware, mode=mode, strategy=strategy, avg_request_len=avg_request_len,
+                   **extra)
+
+    def check(self) -> None:
+        for name, value, choices in (("mode", self.mode, MODES), ("strategy", self.strategy, STRATEGIES),
+                                     ("spec", self.spec, SPEC_MODES), ("hicache", self.hicache, HICACHE_CHOICES)):
+            if value not in choices:
+                raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}.")
+        if self.quant is not None and self.quant not in QUANTS:
+            raise ValueError(f"unknown quant {self.quant!r}; choose one of: {', '.join(QUANTS)}.")
+        if self.hardware != CPU and self.hardware not in catalog():
+            raise ValueError(f"unknown hardware {self.hardware!r}; choose one of: {', '.join([*catalog(), CPU])}.")
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """What to run for one engine."""
+
+    lines: list[str]              # commands, in order
+    image: str | None = None      # container image
+    strategy: str | None = None   # the engine's own name for the lane
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    request: RecipeRequest
+    plan: Plan
+    ratio_text: str               # as pinned into --mamba-full-memory-ratio
+    lane: str                     # SGLang's name for the lane
+    nodes: int
+    per_node: int
+    sglang_status: str | None     # the badge SGLang's own page shows
+    commands: dict[str, EngineCommand]
+    refusals: dict[str, str]      # engine -> why it has no command
+    notes: list[str]
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "request": asdict(self.request), "layout": self.plan.request.layout.describe(),
+                "nodes": self.nodes, "per_node": self.per_node, "lane": self.lane, "ratio": self.ratio_text,
+                "sglang_status": self.sglang_status, "commands": {k: asdict(v) for k, v in self.commands.items()},
+                "refusals": self.refusals, "notes": self.notes, "plan": self.plan.as_dict()}
+
+
+def _kestrel_cpu(request: RecipeRequest) -> Recipe:
+    """kestrel on this machine's CPU: a tiny random checkpoint of the model's architecture, one device."""
+    rules = anchors()["kestrel"]
+    if request.model not in rules["cpu_models"]:
+        raise RecipeRefused(f"CPU recipes serve the tiny random models ({', '.join(rules['cpu_models'])}); "
+                            f"{request.model} does not fit a CPU machine (see `kestrel plan`).")
+    if request.mode != "unified" or request.strategy != "low-latency":
+        raise RecipeRefused("a CPU recipe is one device: Unified mode, low-latency strategy.")
+    for option, value in (("spec", request.spec), ("hicache", request.hicache)):
+        if value not in ("none", "off"):
+            raise RecipeRefused(rules["unsupported"][option] + ".")
+    if request.quant is not None:
+        raise RecipeRefused("the tiny models keep the preset's formats; drop --quant.")
+    fraction = rules["cpu_mem_fraction"]
+    cpu_plan = plan(PlanRequest(model=request.model, hardware=CPU, dtype="fp32", layout=Layout(tp=1),
+                                cache=CacheSettings(kv_dtype="fp32", kv_layout="kestrel", radix_strategy="off"),
+                                avg_request_len=request.avg_request_len, mem_fraction=fraction, batches=(1, 8)))
+    ratio = ratio_text(cpu_plan.ratio)
+    folder = f"models/{request.model}-random"
+    lines = [f"kestrel random-model {request.model} --out {folder}",
+             f"kestrel serve --model {folder} --device cpu --mem-fraction-static {fraction} "
+             f"--mamba-full-memory-ratio {ratio} --mamba-ssm-dtype float32 --kv-cache-dtype auto"]
+    notes = [rules["unsupported"]["radix"], "random weights: a smoke test of the serving path, not a model"]
+    refusal = "SGLang and vLLM publish no CPU recipe for this family"
+    return Recipe(request=request, plan=cpu_plan, ratio_text=ratio, lane="kestrel on CPU", nodes=1, per_node=1,
+                  sglang_status=None, commands={"kestrel": EngineCommand(lines=lines, strategy="single device")},
+                  refusals={"sglang": refusal, "vllm": refusal}, notes=notes)
+
+
+def make_recipe(request: RecipeRequest) -> Recipe:
+    """The recipe for `request`; RecipeRefused (a ValueError) when the anchors do not offer it."""
+    request.check()
+    if request.hardware == CPU:
+        return _kestrel_cpu(request)
+    cell = sglang_recipe.compose(request)
+    recipe_plan = plan(sglang_recipe.plan_request(cell, request))
+    ratio = ratio_text(recipe_plan.ratio)
+    commands = {"sglang": EngineCommand(lines=sglang_recipe.commands(cell, request.mode, ratio), image=cell.image,
+                                        strategy=cell.label, notes=cell.notes)}
+    if request.mode != "unified":
+        commands["sglang"].lines.append(sglang_recipe.router_command())
+    refusals = {"kestrel": anchors()["kestrel"]["single_device_refusal"].format(devices=recipe_plan.nodes.devices)}
+    try:
+        vllm = vllm_recipe.compose(request, cell)
+        commands["vllm"] = EngineCommand(lines=[vllm.command], strategy=vllm.strategy, notes=vllm.notes)
+    except RecipeRefused as refused:
+        refusals["vllm"] = str(refused).rstrip(".")
+    notes = []
+    if cell.pins_mamba_cache_size:
+        notes.append("this cell sizes the state pool with --max-mamba-cache-size instead of a ratio; the plan shows "
+                     "the balanced ratio for comparison")
+    if request.mode != "unified":
+        notes.append("PD disaggregation: run the prefill and decode servers, then the router; the router's 8998 must "
+                     "equal --disaggregation-bootstrap-port")
+    return Recipe(request=request, plan=recipe_plan, ratio_text=ratio, lane=cell.label, nodes=cell.nodes,
+                  per_node=cell.per_node, sglang_status=cell.status, commands=commands, refusals=refusals,
+                  notes=notes)
+
+
+def base_requests(models: tuple[str, ...] = ("k3", "k3.1-pro"), cpu: bool = True) -> list[RecipeRequest]:
+    """Every lane the anchors offer with default options (no speculation, no HiCache, default checkpoint), in
+    the order of the anchor cells, then the CPU recipes."""
+    requests = []
+    devices = [d for entry in anchors()["hardware"].values() for d in entry["catalog"]]
+    for model in models:
+        for device in devices:
+            for mode in MODES:
+                for strategy in STRATEGIES:
+                    request = RecipeRequest(model=model, hardware=device, mode=mode, strategy=strategy)
+                    try:
+                        sglang_recipe.compose(request)
+                    except RecipeRefused:
+                        continue
+                    requests.append(request)
+    if cpu:
+        requests += [RecipeRequest(model=m, hardware=CPU) for m in anchors()["kestrel"]["cpu_models"]]
+    return requests
+

@@ -1,0 +1,109 @@
+"""Decode roofline: the bytes each rank must read for one decode step, against the device's memory bandwidth.
+
+One step of `batch` sequences at `context` tokens, each verifying `tokens_per_sequence` tokens (1 without
+speculation), reads on each rank:
+- weights: its share of every weight the step uses (the embedding table is not read, only B rows of it); of the
+  routed experts only those the step's tokens touch: E x (1 - (1 - k/E)^T) per layer for T tokens under balanced
+  routing. `assumptions="most_favourable"` instead takes the fewest bytes any engine could read: k experts per
+  layer (every token on the same experts) and every weight split evenly over the TP group, nothing replicated;
+- KV: the MLA latents of every cached token (K3), or, with K3.1's indexer, the indexer keys of every cached token
+  plus the latents of the top-k selected ones; DCP splits both, the TP ranks of a group each read all of it;
+- KDA state: each sequence's state, read and written once.
+The step takes at least bytes / bandwidth on every pipeline stage; a user's tokens/s is at most
+tokens_per_sequence / (sum over stages), a device's at most batch x tokens_per_sequence / (slowest stage) / devices.
+Compute, communication and the draft model's own reads are not counted, so every figure is an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .calculator import CacheSettings
+from .layout import Layout
+from .model import EXPERTS, SHARDINGS, VOCAB, ModelFacts
+
+ASSUMPTIONS = ("planner", "most_favourable")
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Bytes per rank (summed over pipeline stages) and the bounds they imply."""
+
+    batch: int
+    context: int
+    tokens_per_sequence: int
+    weight_bytes: int
+    kv_bytes: int                    # MLA latents read
+    index_key_bytes: int             # indexer keys scanned (0 without an indexer)
+    state_bytes: int
+    step_seconds: float | None       # None when the bandwidth is unknown
+    tokens_per_s_per_user: float | None
+    tokens_per_s_per_device: float | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.index_key_bytes + self.state_bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def experts_touched(tokens: int, experts: int, top_k: int, assumptions: str = "planner") -> float:
+    """Distinct routed experts per MoE layer that `tokens` tokens read."""
+    if assumptions not in ASSUMPTIONS:
+        raise ValueError(f"unknown assumptions {assumptions!r}; choose one of: {', '.join(ASSUMPTIONS)}.")
+    if assumptions == "most_favourable":
+        return float(min(top_k, experts))
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def _stage_weight_bytes(model: ModelFacts, layout: Layout, stage: range, first: bool, last: bool,
+                        expert_share: float, assumptions: str) -> int:
+    """Weight bytes one rank of this stage reads in a step (experts scaled by the touched share)."""
+    divisors = layout.divisors() if assumptions == "planner" else dict.fromkeys(SHARDINGS, layout.tp)
+    read = dict(model.bytes_by_sharding(stage, first, last))
+    if first:
+        read[VOCAB] -= model.embedding_bytes
+    return int(sum(n * (expert_share if sharding == EXPERTS else 1.0) / divisors[sharding]
+                   for sharding, n in read.items()))
+
+
+def decode_step(model: ModelFacts, layout: Layout, settings: CacheSettings, bandwidth_per_rank: float | None,
+                devices: int, batch: int, context: int, tokens_per_sequence: int = 1,
+                assumptions: str = "planner") -> DecodeStep:
+    """Bytes and bounds of one decode step (see the module docstring)."""
+    if batch < 1 or context < 1 or tokens_per_sequence < 1:
+        raise ValueError("batch, context and tokens per sequence must each be at least 1.")
+    config = model.config
+    expert_share = (experts_touched(batch * tokens_per_sequence, config.num_experts, config.num_experts_per_token,
+                                    assumptions) / config.num_experts) if config.num_experts else 0.0
+    sequences = math.ceil(batch / layout.dp)
+    selected = min(context, config.index_topk) if config.has_indexer else context
+    stages = layout.stages(model.num_layers)
+    per_stage = []
+    for s, stage in enumerate(stages):
+        weights = _stage_weight_bytes(model, layout, stage, s == 0, s == len(stages) - 1, expert_share, assumptions)
+        latent = model.latent_bytes_per_token(settings.kv_dtype, stage, settings.row_scales)
+        kv = sequences * selected * latent / layout.dcp
+        keys = sequences * context * model.index_key_bytes_per_token(settings.kv_dtype, stage,
+                                                                     settings.row_scales) / layout.dcp
+        state = 2 * sequences * model.state_bytes_per_slot(settings.ssm_dtype, stage) / layout.attention_tp
+        per_stage.append((weights, int(kv), int(keys), int(state)))
+    sums = [sum(column) for column in zip(*per_stage)]
+    if bandwidth_per_rank is None:
+        return DecodeStep(batch, context, tokens_per_sequence, *sums, None, None, None)
+    stage_seconds = [sum(row) / bandwidth_per_rank for row in per_stage]
+    step = sum(stage_seconds)
+    per_device = batch * tokens_per_sequence / max(stage_seconds) / devices
+    return DecodeStep(batch, context, tokens_per_sequence, *sums, step, tokens_per_sequence / step, per_device)
+
+
+def crossover_context(step: DecodeStep, reads: str) -> int | None:
+    """The context length at which the step's `reads` ("kv" or "index_keys", linear in context) equal its weight
+    reads; None when the model has none of them. Exact for index keys; for the latents of a model with an
+    indexer, the top-k selection caps the reads, so there is no crossover beyond the cap."""
+    per_context = (step.kv_bytes if reads == "kv" else step.index_key_bytes) / step.context
+    if per_context == 0 or (reads == "kv" and step.index_key_bytes):
+        return None
+    return math.ceil(step.weight_bytes / per_context)

@@ -1,0 +1,108 @@
+"""Plain-text renderings of plans and recipes for the terminal (`kestrel plan`, `kestrel recipe`)."""
+
+from __future__ import annotations
+
+from .planner import Plan
+from .recipes import ENGINES, Recipe
+
+
+def gb(n: float | None) -> str:
+    """Bytes as decimal GB ('205.06 GB'), or 'unknown'."""
+    return "unknown" if n is None else f"{n / 1e9:,.2f} GB"
+
+
+def count(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:,}"
+
+
+def _rows(rows: list[tuple[str, str]]) -> list[str]:
+    width = max(len(k) for k, _ in rows)
+    return [f"{k:<{width}}  {v}" for k, v in rows]
+
+
+def _rate(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:,.0f}"
+
+
+def plan_text(plan: Plan) -> str:
+    """The plan as a table, then the roofline, unknowns and notes."""
+    request, cache, device = plan.request, plan.request.cache, plan.device
+    weights = ", ".join(f"{k} {gb(v)}" for k, v in plan.weight_bytes_per_rank.items() if v)
+    pools = plan.pools
+    rows = [
+        ("model", f"{request.model} ({plan.model.config.architecture}): {count(plan.model.total_params)} parameters, "
+                  f"{count(plan.model.active_params)} active per token"),
+        ("hardware", f"{device.id}: {device.name}"),
+        ("memory per device", device.fact("memory").describe()),
+        ("bandwidth per device", device.fact("memory_bandwidth").describe()),
+        ("layout", f"{request.layout.describe()} = {plan.nodes.ranks} ranks on {plan.nodes.describe()}"),
+        ("weights per rank", f"{gb(plan.weight_bytes_per_rank_total)} ({weights})"),
+        ("KV per token", f"{plan.kv_bytes_per_token:,} B ({cache.kv_dtype}); per rank "
+                         f"{plan.kv_bytes_per_token_per_rank:,.0f} B (/ DCP {request.layout.dcp}"
+                         f"{' + draft' if cache.spec != 'none' else ''})"),
+        ("KDA state per slot", f"{plan.state_bytes_per_slot:,} B ({cache.ssm_dtype}); per rank "
+                               f"{plan.state_bytes_per_slot_per_rank:,} B (/ attention TP "
+                               f"{request.layout.attention_tp})"),
+        ("state slots per request", f"S = {plan.slots_per_request} ({cache.radix_strategy}, {cache.mode}), "
+                                    f"D = {plan.verify_states} ({cache.spec})"),
+        ("memory ratio", f"{plan.ratio:.4g} (balanced for {request.avg_request_len:,}-token requests: "
+                         f"{plan.balanced_ratio:.4g})"),
+    ]
+    if pools is not None:
+        rows += [("pools per rank", f"{gb(max(pools.rest_bytes, 0))} after weights: {pools.state_slots:,} state slots, "
+                                   f"{pools.kv_tokens:,} KV tokens"),
+                 ("concurrency cap", f"{plan.admitted_requests:,} requests ({pools.max_running_requests:,} per "
+                                     "attention-DP group)")]
+    rows.append(("fits", ("unknown" if plan.fits is None else "yes" if plan.fits else "no") + f": {plan.fit_reason}"))
+    rows.append(("min devices", ", ".join(f"{k} {v if v is not None else 'unknown'}"
+                                          for k, v in plan.min_devices.items())))
+    lines = _rows(rows)
+    context = plan.roofline[0].context if plan.roofline else request.avg_request_len
+    tokens = plan.roofline[0].tokens_per_sequence if plan.roofline else 1
+    lines += ["", f"decode roofline at context {context:,}, {tokens} token(s) per sequence per step "
+                  "(memory reads only: upper bounds)",
+              f"{'batch':>6} {'weights/step':>14} {'KV/step':>11} {'index/step':>11} {'state/step':>11} "
+              f"{'tok/s/user':>11} {'tok/s/GPU':>10} {'KV>weights at':>14} {'index>weights at':>17} "
+              f"{'index/weights @max ctx':>23}"]
+    for step, cross in zip(plan.roofline, plan.crossovers):
+        ratio = cross.indexer_to_weights_at_max_context
+        at_max = "-" if ratio is None else f"{ratio:.2f}x"
+        lines.append(f"{step.batch:>6} {gb(step.weight_bytes):>14} {gb(step.kv_bytes):>11} "
+                     f"{gb(step.index_key_bytes):>11} {gb(step.state_bytes):>11} "
+                     f"{_rate(step.tokens_per_s_per_user):>11} "
+                     f"{_rate(step.tokens_per_s_per_device):>10} "
+                     f"{'-' if cross.kv_context is None else f'{cross.kv_context:,}':>14} "
+                     f"{'-' if cross.indexer_context is None else f'{cross.indexer_context:,}':>17} {at_max:>23}")
+    if plan.unknowns:
+        lines += ["", "unknown (and what it blocks):"]
+        lines += [f"  {u.fact}: {u.source} -> blocks {', '.join(u.blocks)}" for u in plan.unknowns]
+    lines += ["", "notes:", *(f"  - {n}" for n in plan.notes)]
+    return "\n".join(lines)
+
+
+def recipe_text(recipe: Recipe) -> str:
+    """The recipe's commands per engine (or why an engine has none), then the plan summary."""
+    plan = recipe.plan
+    lines = [f"recipe {recipe.id}",
+             f"  lane: {recipe.lane}; SGLang page: {recipe.sglang_status or 'no SGLang cell'}",
+             f"  layout: {plan.request.layout.describe()} on {recipe.nodes} x {recipe.per_node} "
+             f"({plan.nodes.devices} devices)",
+             f"  memory ratio pinned: {recipe.ratio_text} (average request {recipe.request.avg_request_len:,} tokens)",
+             f"  plan: {gb(plan.weight_bytes_per_rank_total)} weights per rank; "
+             + (f"{plan.pools.kv_tokens:,} KV tokens and {plan.admitted_requests:,} requests admitted"
+                if plan.pools else "pools unknown")]
+    for engine in ENGINES:
+        lines.append("")
+        if engine in recipe.refusals:
+            lines.append(f"{engine}: no command: {recipe.refusals[engine]}")
+            continue
+        command = recipe.commands[engine]
+        lines.append(f"{engine}" + (f" ({command.strategy})" if command.strategy else "")
+                     + (f", image {command.image}" if command.image else "") + ":")
+        lines += [f"  {line}" for line in command.lines]
+        lines += [f"  note: {n}" for n in command.notes]
+    lines += [f"\nnote: {n}" for n in recipe.notes]
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""The cookbook's subcommands on an argparse parser, as kestrel.cli registers them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kestrel.cookbook.cli import add_commands
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="kestrel")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def test_plan_json(capsys):
+    assert run("plan", "--model", "k3", "--hardware", "b300", "--tp", "8", "--dcp", "8", "--json") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["state_bytes_per_slot_per_rank"] == 56_171_520
+    assert result["kv_bytes_per_token"] == 27_648 and result["kv_bytes_per_token_per_rank"] == 3456
+    assert result["fits"] is True and result["min_devices"]["b300"] == 8
+
+
+def test_plan_table(capsys):
+    assert run("plan", "--model", "k3.1-pro", "--batch", "1,64", "--context", "1048576") == 0
+    out = capsys.readouterr().out
+    assert "KDA state per slot       449,372,160 B (fp32); per rank 56,171,520 B" in out
+    assert "index>weights at" in out and "memory ratio" in out
+
+
+def test_recipe_by_id_and_by_flags(capsys):
+    assert run("recipe", "k3/b300/unified/balanced") == 0
+    by_id = capsys.readouterr().out
+    assert run("recipe", "--model", "k3", "--hardware", "b300", "--strategy", "balanced") == 0
+    assert capsys.readouterr().out == by_id
+    assert "--mamba-full-memory-ratio 7.21" in by_id and "kestrel: no command" in by_id
+    assert run("recipe", "--list") == 0
+    assert "k3.1-tiny/cpu/unified/low-latency" in capsys.readouterr().out.splitlines()
+
+
+def test_recipe_json(capsys):
+    assert run("recipe", "k3/gb300/decode/balanced", "--json") == 0
+    recipe = json.loads(capsys.readouterr().out)
+    assert recipe["id"] == "k3/gb300/decode/balanced" and recipe["nodes"] == 2 and recipe["ratio"] == "1.44"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("plan", "--hardware", "a100"), "unknown hardware 'a100'"),
+    (("plan", "--tp", "7"), "not divisible by the attention TP size 7"),
+    (("plan", "--batch", "1,x"), "--batch must be comma-separated integers"),
+    (("recipe", "--hardware", "tpu7x"), "no recipe for tpu7x"),
+    (("verify", "k3/b300/unified/balanced"), "no kestrel command to run"),
+])
+def test_bad_input_raises_one_sentence(argv, message):
+    with pytest.raises(ValueError, match=message):
+        run(*argv)
+
+
+def test_matrix_prints_both_tables(capsys, tmp_path):
+    assert run("matrix", "--evidence-dir", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# Verification matrix") and "# Claims ledger" in out
+    assert run("matrix", "--evidence-dir", str(tmp_path), "--write", str(tmp_path / "docs")) == 0
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["claims.md", "hardware.md", "matrix.md"]

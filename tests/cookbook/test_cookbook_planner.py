@@ -1,0 +1,224 @@
+"""The planner against published figures, SGLang's calculator, kestrel's own engine, and its invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kestrel import LLM
+from kestrel.cookbook.calculator import (CacheSettings, balanced_ratio, ratio_text, slots_per_request,
+                                         verify_states)
+from kestrel.cookbook.hardware import Fact, get_device
+from kestrel.cookbook.layout import Layout
+from kestrel.cookbook.model import model_facts
+from kestrel.cookbook import planner
+from kestrel.cookbook.planner import PlanRequest, min_devices, plan
+from kestrel.cookbook.recipes import RecipeRequest, make_recipe
+from kestrel.cookbook.verify import write_checkpoint
+
+
+def test_k3_parameter_counts_match_the_published_figures():
+    k3 = model_facts("k3")
+    assert round(k3.total_params / 1e12, 2) == 2.78
+    assert round(k3.active_params / 1e9, 1) == 104.2
+
+
+def test_k3_kv_per_token_and_state_per_slot_at_tp8():
+    result = plan(PlanRequest(model="k3", hardware="b300", layout=Layout(tp=8)))
+    assert result.kv_bytes_per_token == 27_648                         # 24 layers x 576 x 2 B
+    assert result.state_bytes_per_slot_per_rank == 56_171_520          # SGLang's calculator at TP8, fp32
+    assert result.state_bytes_per_slot == 8 * 56_171_520
+    fp8 = model_facts("k3")
+    assert fp8.kv_bytes_per_token("fp8") == 13_824                     # SGLang's count: per-tensor scales
+    assert fp8.kv_bytes_per_token("fp8", row_scales=True) == 24 * (576 + 4)   # kestrel's: a scale per row
+
+
+def test_k31_adds_the_indexer_keys_to_the_kv():
+    k31 = model_facts("k3.1-pro")
+    assert k31.latent_bytes_per_token("bf16") == 27_648
+    assert k31.index_key_bytes_per_token("bf16") == 24 * 128 * 2
+    assert k31.kv_bytes_per_token("bf16") == 27_648 + 24 * 128 * 2
+
+
+# --mamba-full-memory-ratio as SGLang's calculator prints it for these cells: its `derive` function
+# (_kimi_k3_mamba_ratio_calculator.jsx @395187ca) run under node on each cell's flags (171 cells agreed).
+SGLANG_CALCULATOR_CELLS = [
+    ("k3/b300/unified/low-latency", 11264, "0.9", 0.9018406723484849),
+    ("k3/b300/unified/balanced", 11264, "7.21", 7.214725378787879),
+    ("k3/b300/prefill/high-throughput", 11264, "5.77", None),
+    ("k3/b300/decode/balanced", 11264, "1.44", None),
+    ("k3/b200/unified/low-latency", 11264, "0.72", None),
+    ("k3/gb200/unified/low-latency", 11264, "0.45", None),
+    ("k3/h200/unified/high-throughput", 11264, "0.18", None),
+    ("k3/h100/decode/low-latency", 11264, "0.045", None),
+    ("k3/mi355x/unified/balanced", 11264, "14.4", None),
+    ("k3/ascend-950pr/unified/balanced", 11264, "0.045", None),
+    ("k3/b300/unified/balanced,spec=mtp", 11264, "5.13", None),
+    ("k3/b200/unified/low-latency,spec=mtp", 11264, "0.43", None),
+    ("k3/b300/prefill/low-latency,spec=mtp", 11264, "0.86", None),
+    ("k3/gb200/decode/high-throughput,spec=mtp", 11264, "1.03", None),
+]
+
+
+@pytest.mark.parametrize("recipe_id, length, text, value", SGLANG_CALCULATOR_CELLS)
+def test_pinned_ratio_matches_sglangs_calculator(recipe_id, length, text, value):
+    recipe = make_recipe(RecipeRequest.from_id(recipe_id, length))
+    assert recipe.ratio_text == text
+    if value is not None:
+        assert recipe.plan.balanced_ratio == pytest.approx(value, rel=1e-12)
+
+
+def test_ratio_is_the_formula_and_balances_the_pools():
+    result = plan(PlanRequest(model="k3", hardware="b300", layout=Layout(tp=8, dcp=8)))
+    s, d = result.slots_per_request, result.verify_states
+    expected = (s + d) * result.state_bytes_per_slot_per_rank / (11264 * 27_648 / 8)
+    assert result.ratio == pytest.approx(expected, rel=1e-12)
+    # balanced: the KV pool and the state pool fill at the same number of average requests
+    pools = result.pools
+    assert pools.kv_tokens / 11264 == pytest.approx(pools.state_slots / s, rel=0.01)
+
+
+@pytest.mark.parametrize("settings, pp, expected", [
+    (CacheSettings(), 1, 5),
+    (CacheSettings(radix_strategy="extra_buffer_lazy"), 1, 4),
+    (CacheSettings(radix_strategy="no_buffer"), 1, 3),
+    (CacheSettings(radix_strategy="no_buffer", skip_decode_lock=True), 1, 3),
+    (CacheSettings(radix_strategy="off"), 1, 1),
+    (CacheSettings(mode="decode"), 1, 1),
+    (CacheSettings(skip_decode_lock=True), 1, 4),
+    (CacheSettings(overlap_schedule=False), 1, 4),
+    (CacheSettings(), 2, 4),
+])
+def test_slots_per_request_follow_sglang(settings, pp, expected):
+    assert slots_per_request(settings, pp) == expected
+
+
+def test_verify_states():
+    assert verify_states(CacheSettings(spec="mtp", draft_tokens=7)) == 8
+    assert verify_states(CacheSettings(spec="mtp", draft_tokens=7, replay_ssm=True)) == 0
+    assert verify_states(CacheSettings(spec="mtp", draft_tokens=7, mode="prefill")) == 0
+    assert verify_states(CacheSettings()) == 0
+
+
+def test_ratio_text_follows_sglangs_rounding():
+    assert [ratio_text(r) for r in (0.9018, 0.05799, 1.2, 2.0, 7.2147, 14.43, 10.0)] == \
+        ["0.9", "0.058", "1.2", "2", "7.21", "14.4", "10"]
+
+
+def test_monotonic_in_request_length():
+    previous = None
+    for length in (1024, 4096, 11264, 65536, 262144):
+        result = plan(PlanRequest(avg_request_len=length))
+        if previous is not None:
+            assert result.ratio < previous.ratio
+            assert result.admitted_requests <= previous.admitted_requests
+            assert result.pools.state_slots <= previous.pools.state_slots
+            assert result.pools.kv_tokens >= previous.pools.kv_tokens
+        previous = result
+    assert balanced_ratio(5, 0, 100, 10.0, 10) == pytest.approx(2 * balanced_ratio(5, 0, 100, 10.0, 20))
+
+
+def test_monotonic_in_memory():
+    previous = None
+    for fraction in (0.8, 0.85, 0.9, 0.95):
+        result = plan(PlanRequest(mem_fraction=fraction))
+        if previous is not None:
+            assert result.pools.kv_tokens > previous.pools.kv_tokens
+            assert result.pools.state_slots >= previous.pools.state_slots
+            assert result.admitted_requests >= previous.admitted_requests
+        previous = result
+
+
+def test_minimum_device_count_is_the_fit_boundary():
+    facts, b300 = model_facts("k3"), get_device("b300")
+    needed = min_devices(facts, b300, CacheSettings(), 0.85, 11264, 0)
+    assert needed == 8
+    assert plan(PlanRequest(layout=Layout(tp=8))).fits
+    assert not plan(PlanRequest(layout=Layout(tp=4))).fits
+    # a 1.56 TB checkpoint on 64 GB Mac minis, 512 GB Mac Studios
+    assert min_devices(facts, get_device("mac-mini-m4-pro"), CacheSettings(), 0.85, 11264, 0) > 24
+    assert min_devices(facts, get_device("mac-studio-m3-ultra"), CacheSettings(), 0.85, 11264, 0) == 4
+
+
+def test_pipeline_stages_split_the_weights():
+    whole = plan(PlanRequest(model="k3", layout=Layout(tp=8)))
+    staged = plan(PlanRequest(model="k3", layout=Layout(tp=1, pp=8)))
+    assert staged.nodes.devices == 8
+    assert staged.weight_bytes_per_rank_total < whole.weight_bytes_per_rank_total * 1.2
+    assert staged.slots_per_request == 4       # pipeline parallelism turns overlap scheduling off
+
+
+def test_unknown_bandwidth_blocks_the_roofline_only():
+    result = plan(PlanRequest(hardware="zhenwu-m890", layout=Layout(tp=16)))
+    assert result.fits is True
+    assert all(step.tokens_per_s_per_user is None for step in result.roofline)
+    assert all(step.weight_bytes > 0 for step in result.roofline)
+    blocked = {u.fact: u.blocks for u in result.unknowns}
+    assert "decode roofline tokens/s per user and per device" in blocked["zhenwu-m890 memory bandwidth"]
+    assert "node count" in blocked["zhenwu-m890 devices per node"]
+
+
+def test_unknown_memory_blocks_the_fit(monkeypatch):
+    device = get_device("zhenwu-v900")
+    blind = dataclasses.replace(device, id="blind", facts={**device.facts,
+                                                           "memory": Fact(None, "GB", "unknown", "no source")})
+    monkeypatch.setattr(planner, "get_device", lambda _: blind)
+    result = plan(PlanRequest(hardware="blind-test"))
+    assert result.pools is None and result.fits is None and result.admitted_requests is None
+    assert any(u.fact == "blind memory" and "fits" in u.blocks for u in result.unknowns)
+
+
+def test_draft_weights_of_an_unknown_draft_are_an_unknown():
+    result = plan(PlanRequest(cache=CacheSettings(spec="dflash")))
+    assert result.weight_bytes_per_rank["draft"] == 0
+    assert any("dflash draft" in u.fact for u in result.unknowns)
+    dspark = plan(PlanRequest(cache=CacheSettings(spec="mtp")))
+    assert dspark.weight_bytes_per_rank["draft"] == 4_500_000_000
+    assert dspark.verify_states == 8
+
+
+@pytest.mark.parametrize("request_, message", [
+    (PlanRequest(hardware="a100"), "unknown hardware 'a100'; choose one of: vera-rubin, b300"),
+    (PlanRequest(layout=Layout(tp=5)), "96 MLA heads, not divisible by the attention TP size 5"),
+    (PlanRequest(layout=Layout(tp=16, dp=3)), "--dp 3 must divide --tp 16"),
+    (PlanRequest(layout=Layout(tp=8, ep=3)), "--ep 3 must divide --tp 8"),
+    (PlanRequest(layout=Layout(tp=8, dcp=16)), "--dcp 16 must divide the attention TP size 8"),
+    (PlanRequest(layout=Layout(tp=1, pp=94)), "--pp 94 exceeds the model's 93 layers"),
+    (PlanRequest(model="kimi-linear-48b", layout=Layout(tp=3)), "32 MLA heads"),
+    (PlanRequest(mem_fraction=1.5), "--mem-fraction must be in (0, 1]"),
+    (PlanRequest(avg_request_len=0), "--avg-request-len must be at least 1"),
+    (PlanRequest(cache=CacheSettings(kv_dtype="int4")), "unknown kv dtype 'int4'"),
+    (PlanRequest(model="kimi-linear-48b", cache=CacheSettings(spec="mtp")), "give --draft-tokens N"),
+    (PlanRequest(nodes=0), "--nodes must be at least 1"),
+    (PlanRequest(layout=Layout(tp=16), nodes=1), "1 node(s) of 8 b300 hold 8 devices"),
+])
+def test_bad_input_is_one_clear_error(request_, message):
+    with pytest.raises(ValueError) as error:
+        plan(request_)
+    assert message in str(error.value)
+    assert str(error.value).count(".") >= 1 and "\n" not in str(error.value)
+
+
+def test_a_config_of_another_family_is_refused_with_the_reason(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="'llama' is not a Kimi K3 family model"):
+        plan(PlanRequest(model=str(config)))
+
+
+def test_planner_predicts_kestrels_own_engine_allocation(tmp_path):
+    """On the CPU, the cookbook's pool arithmetic (S = 1: kestrel has no prefix cache) sizes the same state
+    pool as kestrel's engine planner, and a KV pool within one page of it."""
+    write_checkpoint("kimi-linear-tiny", tmp_path)
+    ratio, fraction = 0.5, 0.005
+    engine = LLM(str(tmp_path), device="cpu", mem_fraction_static=fraction, mamba_full_memory_ratio=ratio,
+                 mamba_ssm_dtype="float32", kv_cache_dtype="auto").engine.plan
+    predicted = plan(PlanRequest(model="kimi-linear-tiny", hardware="cpu", dtype="fp32", layout=Layout(tp=1),
+                                 cache=CacheSettings(kv_dtype="fp32", kv_layout="kestrel", radix_strategy="off"),
+                                 mem_fraction=fraction, ratio=ratio, compare_devices=False))
+    assert predicted.weight_bytes_per_rank_total == engine.weight_bytes
+    assert predicted.state_bytes_per_slot == engine.state_bytes_per_slot
+    assert predicted.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert predicted.pools.state_slots == engine.num_slots
+    assert 0 <= predicted.pools.kv_tokens - engine.kv_tokens < engine.page_size

@@ -65,15 +65,16 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """The work of the next step (empty when nothing can run)."""
         chunks: list[ScheduledChunk] = []
+        scheduled: set[Sequence] = set()
         budget = self.token_budget
         for seq in sorted(self.running, key=lambda s: s.priority_key):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            scheduled = {c.seq for c in chunks}
             length = self._chunk_length(seq, budget)
             if not self._grow(seq, length, protected=scheduled):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            scheduled.add(seq)
             budget -= length
         self.waiting.sort(key=lambda s: s.priority_key)
         while self.waiting and budget > 0:

@@ -1,0 +1,188 @@
+"""End-to-end decode and prefill of a Kimi-Linear-48B-shaped model (random bf16 weights) on one GPU.
+
+Decode is timed at several batch sizes over a context already in the cache (its pages and state slots are filled
+with random values rather than prefilled, which would take longer than the whole benchmark), and compared with
+the bandwidth bound: the HBM bandwidth over the bytes one step must move (every weight but the routed experts,
+the experts the step's tokens are routed to, the latent KV read, the KDA states read and written). The step runs
+whatever backend the layers use; which one ran is read from the kernel names of a profiled step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from kestrel.config import ModelConfig, load_config
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.cache import HybridCache
+from kestrel.layers.moe import RoutedExperts, Router
+from kestrel.layers.norm import RMSNorm
+from kestrel.models.checkpoint import build_model
+from kestrel.models.kimi import KimiForCausalLM
+
+MODEL = "kimi-linear-48b"
+CONTEXT = 2048
+BATCHES = (1, 32, 128)
+PAGE_SIZE = 64
+WARMUP_STEPS, DECODE_STEPS = 2, 8
+PREFILL_SEQS, PREFILL_LEN = 4, 2048
+TRITON_KERNELS = {"_kda_decode_kernel": "kda", "_intra_chunk_kernel": "kda", "_state_scan_kernel": "kda",
+                  "_partial_kernel": "attention", "_combine_kernel": "attention", "_scores_kernel": "attention",
+                  "_gate_up_kernel": "moe", "_down_kernel": "moe", "_mix_norm_kernel": "norm"}
+"""kestrel's Triton kernels by name, and the op family each belongs to."""
+
+
+@torch.no_grad()
+def fill_random(model: nn.Module, seed: int = 0) -> None:
+    """Random weights drawn on the device (init_weights draws on the CPU: minutes for 48B values).
+
+    N(0, 0.02) for matrices and embeddings, ones for norm weights, A_log = log U(1, 16), dt_bias ~ U(-6.9, -2.3)
+    (about softplus^-1 of U(1e-3, 0.1)), a zero router bias; MXFP4 codes uniform with scale 2^-7.
+    """
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if isinstance(module, (RMSNorm, nn.LayerNorm)):
+                tensor.fill_(1.0 if name == "weight" else 0.0)
+            elif name == "A_log":
+                tensor.uniform_(1, 16, generator=gen).log_()
+            elif name == "dt_bias":
+                tensor.uniform_(-6.9, -2.3, generator=gen)
+            elif name == "e_score_correction_bias":
+                tensor.zero_()
+            elif tensor.dtype == torch.uint8 and name.endswith("_scale"):
+                tensor.fill_(120)
+            elif tensor.dtype == torch.uint8:
+                tensor.random_(0, 256, generator=gen)
+            else:
+                tensor.normal_(0, 0.02, generator=gen)
+
+
+@torch.no_grad()
+def fill_cache(cache: HybridCache) -> None:
+    """Random finite contents for every state slot and cache row (stands in for the prefilled context)."""
+    for state in cache.kda:
+        state.conv.normal_()
+        state.recurrent.normal_(0, 0.1)
+    for pages in cache.mla:
+        pages.latent.values.normal_()
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def step_bytes(model: KimiForCausalLM, config: ModelConfig, batch: int, context: int, experts_used: int,
+               kv_itemsize: int) -> dict[str, int]:
+    """HBM bytes one decode step of `batch` sequences at `context` tokens must move, by kind."""
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    expert_total = sum(tensor_bytes(m) for m in experts)
+    per_expert = expert_total // (len(experts) * config.num_experts)
+    embedding = model.model.embed_tokens.weight
+    weights = tensor_bytes(model) - expert_total - embedding.numel() * embedding.element_size()
+    weights += batch * config.hidden_size * embedding.element_size() + experts_used * per_expert
+    heads, dim = config.kda_num_heads, config.kda_head_dim
+    state = len(config.kda_layers) * batch * 2 * (heads * dim * dim * 4 + (config.conv_kernel_size - 1) * 3 * heads
+                                                  * dim * embedding.element_size())
+    kv = len(config.mla_layers) * batch * (context + 1) * config.kv_cache_dim * kv_itemsize
+    return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
+
+
+class ExpertCounter:
+    """Counts the distinct experts the routers pick during one forward call (summed over layers)."""
+
+    def __init__(self, model: nn.Module):
+        self.used = 0
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, Router)]
+
+    def _hook(self, module: nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.used += int(output[0].unique().numel())
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def backends_used(step) -> dict[str, str]:
+    """Which backend each op family ran on in one call of step(): "triton" where a kestrel kernel ran."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events()}
+    families = dict.fromkeys(TRITON_KERNELS.values(), "torch")
+    for kernel, family in TRITON_KERNELS.items():
+        if any(kernel in name for name in names):
+            families[family] = "triton"
+    return families
+
+
+def decode_batch(model: KimiForCausalLM, cache: HybridCache, batch_size: int, bandwidth_gbps: float,
+                 page_table: torch.Tensor) -> dict[str, Any]:
+    """Median step time of batch_size sequences decoding at CONTEXT, and the fraction of the bandwidth bound."""
+    config = model.config
+    times, counter = [], ExpertCounter(model)
+    for step in range(WARMUP_STEPS + DECODE_STEPS):
+        batch = ForwardBatch.build([1] * batch_size, [CONTEXT + step] * batch_size, list(range(batch_size)),
+                                   page_table[:batch_size], PAGE_SIZE, "cuda")
+        ids = torch.randint(config.vocab_size, (batch_size,), device="cuda")
+        counter.used = 0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.compute_logits(model(ids, batch, cache))
+        torch.cuda.synchronize()
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - start)
+    counter.close()
+    seconds = statistics.median(times)
+    moved = step_bytes(model, config, batch_size, CONTEXT, counter.used, cache.mla[0].latent.values.element_size())
+    bound = moved["total"] / (bandwidth_gbps * 1e9)
+    return dict(batch=batch_size, context=CONTEXT, step_ms=round(seconds * 1e3, 2),
+                tokens_per_s=round(batch_size / seconds), bytes_per_step_gb=round(moved["total"] / 1e9, 3),
+                weights_gb=round(moved["weights"] / 1e9, 3), kv_gb=round(moved["kv"] / 1e9, 3),
+                state_gb=round(moved["state"] / 1e9, 3), bound_ms=round(bound * 1e3, 3),
+                fraction_of_bound=round(bound / seconds, 3))
+
+
+def prefill(model: KimiForCausalLM, cache: HybridCache, page_table: torch.Tensor) -> dict[str, Any]:
+    """Prefill throughput: PREFILL_SEQS fresh sequences of PREFILL_LEN tokens in one forward call."""
+    batch = ForwardBatch.build([PREFILL_LEN] * PREFILL_SEQS, None, list(range(PREFILL_SEQS)),
+                               page_table[:PREFILL_SEQS], PAGE_SIZE, "cuda")
+    ids = torch.randint(model.config.vocab_size, (PREFILL_SEQS * PREFILL_LEN,), device="cuda")
+    last = batch.cu_seqlens[1:] - 1
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.compute_logits(model(ids, batch, cache)[last])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    tokens = PREFILL_SEQS * PREFILL_LEN
+    return dict(sequences=PREFILL_SEQS, length=PREFILL_LEN, ms=round(seconds * 1e3, 1),
+                tokens_per_s=round(tokens / seconds))
+
+
+@torch.inference_mode()
+def run_model(bandwidth_gbps: float) -> dict[str, Any]:
+    """Build the model, then time decode at each of BATCHES and one prefill; returns the section's results."""
+    config = load_config(MODEL)
+    model = build_model(config, torch.bfloat16, "cuda").eval()
+    fill_random(model)
+    pages_per_seq = math.ceil((CONTEXT + WARMUP_STEPS + DECODE_STEPS + 1) / PAGE_SIZE)
+    slots = max(BATCHES)
+    cache = HybridCache.allocate(config, num_slots=slots, num_pages=slots * pages_per_seq, page_size=PAGE_SIZE,
+                                 dtype=torch.bfloat16, device="cuda")
+    fill_cache(cache)
+    page_table = torch.arange(slots * pages_per_seq, device="cuda").view(slots, pages_per_seq)
+    one_step = ForwardBatch.build([1], [CONTEXT], [0], page_table[:1], PAGE_SIZE, "cuda")
+    backends = backends_used(lambda: model(torch.zeros(1, dtype=torch.long, device="cuda"), one_step, cache))
+    decode = [decode_batch(model, cache, b, bandwidth_gbps, page_table) for b in BATCHES]
+    return dict(model=MODEL, parameters_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
+                backends=backends, decode=decode, prefill=prefill(model, cache, page_table),
+                peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1))

@@ -1,0 +1,165 @@
+"""The one-command GPU benchmark, budgeted for 8 minutes on one H200: copy bandwidth, every Triton kernel against
+its torch reference, KDA prefill against fla's chunk_kda (when fla imports), and end-to-end decode and prefill of a
+Kimi-Linear-48B-shaped model with the fraction of the bandwidth bound reached.
+
+Writes $OUT/gpu-results.json (every number, the device, the software, any section's error) and
+$OUT/gpu-results.md (the tables, ready for docs/benchmarks.md); OUT defaults to ./gpu-results. Both are rewritten
+after every section, so a run cut short keeps what it measured. A failing case is recorded and the run goes on;
+sections that would start past their time budget are recorded as skipped.
+
+Run from the repository root: python3 benchmarks/gpu/run.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.gpu import kernels, model  # noqa: E402
+from benchmarks.gpu.timing import copy_bandwidth_gbps  # noqa: E402
+from benchmarks.report import markdown_table  # noqa: E402
+
+START = time.monotonic()
+KERNELS_UNTIL_S = 210
+"""No kernel case starts after this many seconds, nor the fla comparison after KERNELS_UNTIL_S + 30."""
+MODEL_UNTIL_S = 270
+"""The end-to-end section starts only before this many seconds (it needs about three minutes)."""
+H200_SPEC_GBPS = 4800
+"""H200 HBM3e bandwidth as specified; the bound uses the measured copy bandwidth, this is for reference."""
+
+
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+def attempt(fn: Callable[[], Any]) -> Any:
+    """fn()'s result, or {"error": ...} with the exception's last lines (the run goes on)."""
+    try:
+        return fn()
+    except Exception as error:                       # noqa: BLE001 - recorded in the results, not hidden
+        lines = traceback.format_exc().strip().splitlines()
+        return {"error": f"{type(error).__name__}: {error}", "traceback": lines[-6:]}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def environment() -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "fla"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    return {"device": props.name, "multiprocessors": props.multi_processor_count,
+            "memory_gb": round(props.total_memory / 1e9, 1), "versions": versions,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def kernel_rows() -> Iterator[dict[str, Any]]:
+    """Each kernel case's results, in turn."""
+    for make in kernels.all_cases():
+        row = {"skipped": "time budget"} if elapsed() > KERNELS_UNTIL_S else attempt(lambda: kernel_row(make))
+        print(json.dumps(row), flush=True)
+        yield row
+
+
+def kernel_row(make: Callable[[], kernels.Case]) -> dict[str, Any]:
+    """One case's results, or its error under the case's name."""
+    case = make()
+    return {"op": case.op, "shape": case.label, **attempt(lambda: kernels.run_case(case))}
+
+
+def fla_row() -> dict[str, Any]:
+    if elapsed() > KERNELS_UNTIL_S + 30:
+        return {"skipped": "time budget"}
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError as error:
+        return {"skipped": f"fla does not import here ({error})"}
+    return attempt(kernels.fla_prefill_row)
+
+
+def model_section(bandwidth: float) -> dict[str, Any]:
+    if elapsed() > MODEL_UNTIL_S:
+        return {"skipped": "time budget"}
+    return attempt(lambda: model.run_model(bandwidth))
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [f"## GPU: Triton kernels and end-to-end decode ({env['device']})", "",
+             f"{env['started']}; torch {env['versions']['torch']}, triton {env['versions']['triton']}; "
+             f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s (read + write; H200 spec {H200_SPEC_GBPS}).", ""]
+    done = [r for r in results["kernels"] if "triton_ms" in r]
+    lines += ["### Kernels against the torch reference", "", markdown_table(
+        ["op", "shape", "triton ms", "torch ms", "speedup", "GB/s", "TFLOP/s", "max rel. error"],
+        [[r["op"], r["shape"], r["triton_ms"], r["torch_ms"], f"{r['speedup']}x", r["triton_gbps"],
+          r["triton_tflops"], r["max_rel_error"]] for r in done])]
+    errors = [r for r in results["kernels"] if "error" in r]
+    lines += [f"- {r.get('op', 'a case')} {r.get('shape', '')}: {r['error']}" for r in errors]
+    skipped = sum("skipped" in r for r in results["kernels"])
+    lines += [f"- {skipped} more cases skipped (time budget)"] if skipped else []
+    fla = results["fla_prefill"]
+    lines += ["", "### KDA prefill against fla's chunk_kda", ""]
+    if "fla_ms" in fla:
+        lines.append(markdown_table(["shape", "kestrel ms", "fla ms", "kestrel vs fla", "max rel. diff"],
+                                    [[fla["shape"], fla["kestrel_ms"], fla["fla_ms"], f"{fla['kestrel_vs_fla']}x",
+                                      fla["max_rel_diff"]]]))
+    else:
+        lines.append(f"- {fla.get('skipped') or fla.get('error')}")
+    e2e = results["model"]
+    lines += ["", "### End-to-end decode (Kimi-Linear-48B shape, random bf16 weights)", ""]
+    if "decode" not in e2e:
+        return "\n".join(lines + [f"- {e2e.get('skipped') or e2e.get('error')}"])
+    lines += [f"Backends that ran: {', '.join(f'{k} {v}' for k, v in e2e['backends'].items())}; "
+              f"{e2e['parameters_b']}B parameters; peak memory {e2e['peak_memory_gb']} GB.", "", markdown_table(
+                  ["batch", "context", "ms / step", "tokens / s", "GB moved / step", "bound ms", "fraction of bound"],
+                  [[d["batch"], d["context"], d["step_ms"], d["tokens_per_s"], d["bytes_per_step_gb"], d["bound_ms"],
+                    d["fraction_of_bound"]] for d in e2e["decode"]]), ""]
+    p = e2e["prefill"]
+    lines += [f"Prefill: {p['sequences']} x {p['length']} tokens in {p['ms']} ms, {p['tokens_per_s']} tokens/s."]
+    return "\n".join(lines)
+
+
+def save(results: dict[str, Any], out: Path) -> None:
+    results["seconds"] = round(elapsed(), 1)
+    (out / "gpu-results.json").write_text(json.dumps(results, indent=2))
+    (out / "gpu-results.md").write_text(markdown(results) + "\n")
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu/run.py needs a CUDA device; run it on the GPU machine.")
+    out = Path(os.environ.get("OUT") or "gpu-results")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"environment": environment(), "kernels": [], "fla_prefill": {"skipped": "not run"},
+                               "model": {"skipped": "not run"}}
+    results["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(), 1)
+    print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s", flush=True)
+    save(results, out)
+    for row in kernel_rows():
+        results["kernels"].append(row)
+        save(results, out)
+    results["fla_prefill"] = fla_row()
+    print(json.dumps(results["fla_prefill"]), flush=True)
+    save(results, out)
+    results["model"] = model_section(results["copy_bandwidth_gbps"])
+    print(json.dumps(results["model"]), flush=True)
+    save(results, out)
+    print(f"done in {results['seconds']} s; results in {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

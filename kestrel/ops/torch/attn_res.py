@@ -1,0 +1,28 @@
+"""AttnRes depth mix followed by the RMSNorm of the sublayer that reads it (model-spec section 3).
+
+The reference for the fused Triton kernel: the mix is `kestrel.layers.norm.attn_res_mix` and the norm is the next
+sublayer's input RMSNorm, both written out here so the op stands alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attn_res_mix_norm(sources: torch.Tensor, mix_norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                      mix_eps: float, norm_weight: torch.Tensor, norm_eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mix the residual snapshots by a softmax over depth, then RMSNorm the mix.
+
+    sources: [S, T, D] (the stored blocks, then the running partial sum); mix_norm_weight, proj_weight: [D], the
+    mix's RMSNorm weight and its Linear(D, 1) weight; norm_weight: [D], the following RMSNorm's weight.
+    Logit of source i: <RMSNorm(v_i) * mix_norm_weight, proj_weight>; mixed = sum_i softmax_i v_i, in fp32.
+    Returns (mixed, RMSNorm(mixed) * norm_weight), both [T, D] in the sources' dtype.
+    """
+    v = sources.float()
+    inv_rms = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + mix_eps)
+    probs = torch.softmax((v * inv_rms) @ (mix_norm_weight.float() * proj_weight.float()), dim=0)   # [S, T]
+    mixed = (probs.unsqueeze(-1) * v).sum(0).to(sources.dtype)
+    m = mixed.float()
+    normed = m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
+    return mixed, normed.to(sources.dtype)

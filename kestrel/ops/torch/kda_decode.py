@@ -1,0 +1,115 @@
+"""One fused KDA step over the state pool: short conv, decay gate, L2 norm, delta rule and gated RMSNorm.
+
+This is the reference for the fused decode kernel, composed of the plain pieces (`causal_conv1d`,
+`recurrent_kda`) and the same gate, normalisation and output norm as `kestrel.layers.kda`. It reads each
+sequence's conv and recurrent state from its slot of the pool and, for plain decode, writes the new states back
+in place. With `keep_token_states` (speculative verification) it leaves the pool as it was and returns the states
+after every token instead, so the engine can commit the state of the last accepted token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .conv import causal_conv1d
+from .kda import recurrent_kda
+
+
+@dataclass(frozen=True)
+class KDALayerParams:
+    """The per-layer constants a KDA step needs (D = head_dim, H heads, W = conv width)."""
+
+    conv_weight: torch.Tensor   # [3*H*D, W] fp32: q, k, v depthwise conv taps
+    A_log: torch.Tensor         # [H] fp32
+    dt_bias: torch.Tensor       # [H*D] fp32
+    norm_weight: torch.Tensor   # [D] fp32: the gated output RMSNorm's weight
+    lower_bound: float | None   # K3 gate lower bound; None: Kimi-Linear's softplus gate
+    norm_eps: float
+
+
+@dataclass(frozen=True)
+class TokenStates:
+    """The states after every token of a speculative-verification step."""
+
+    conv: torch.Tensor        # [T, W-1, 3*H*D] in the conv pool's dtype: the last W-1 conv inputs
+    recurrent: torch.Tensor   # [T, H, D, D] fp32
+
+
+def decay_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+               ) -> torch.Tensor:
+    """Per-channel log decay g <= 0, fp32. raw: [T, H, D]; A_log: [H]; dt_bias: [H*D].
+
+    lower_bound None: g = -exp(A_log) softplus(raw + dt); else g = lower_bound * sigmoid(exp(A_log) (raw + dt)).
+    """
+    num_heads, head_dim = raw.shape[-2:]
+    x = raw.float() + dt_bias.float().view(num_heads, head_dim)
+    rate = A_log.float().exp().unsqueeze(-1)
+    if lower_bound is None:
+        return -rate * F.softplus(x)
+    return lower_bound * torch.sigmoid(rate * x)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight * sigmoid(gate) over the last dim, in fp32; returned in x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor, out_gate: torch.Tensor,
+               params: KDALayerParams, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+               cu_seqlens: torch.Tensor, use_state: torch.Tensor, scale: float | None = None,
+               keep_token_states: bool = False) -> tuple[torch.Tensor, TokenStates | None]:
+    """KDA over a few new tokens per sequence, starting from the sequences' pooled states.
+
+    qkv: [T, 3*H*D], the q, k, v projections before the conv (activation dtype); gate_raw: [T, H, D], the decay
+    gate projection; beta_raw: [T, H], the beta logits; out_gate: [T, H, D], the output-norm gate;
+    conv_pool: [slots, W-1, 3*H*D]; state_pool: [slots, H, D, D]; slots: [N] int64, distinct;
+    cu_seqlens: [N+1] int64; use_state: [N] bool, False where a sequence starts fresh (its slot, whatever it
+    holds, is read as zeros).
+    Returns o [T, H, D] in qkv's dtype (after the gated RMSNorm) and, with keep_token_states, the states after
+    every token (the pools untouched); else None, with the final states written to the pools at `slots`.
+    """
+    num_tokens = qkv.shape[0]
+    num_heads, head_dim = gate_raw.shape[1:]
+    keep = use_state.view(-1, 1, 1)
+    conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
+    state = torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
+    y, conv_final = causal_conv1d(qkv, params.conv_weight, cu_seqlens, conv_state)
+    q, k, v = F.silu(y).view(num_tokens, 3, num_heads, head_dim).unbind(1)
+    g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)
+    beta = torch.sigmoid(beta_raw.float())
+    o, final, token_recurrent = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta, cu_seqlens,
+                                              initial_state=state, scale=scale,
+                                              output_token_states=keep_token_states)
+    o = gated_rms_norm(o, out_gate, params.norm_weight, params.norm_eps)
+    if keep_token_states:
+        token_conv = token_conv_states(qkv, conv_state, cu_seqlens).to(conv_pool.dtype)
+        return o, TokenStates(conv=token_conv, recurrent=token_recurrent)
+    conv_pool[slots] = conv_final.detach().to(conv_pool.dtype)
+    state_pool[slots] = final.detach().to(state_pool.dtype)
+    return o, None
+
+
+def token_conv_states(x: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The conv state after every token: its sequence's last W-1 inputs, state rows first, [T, W-1, C] in x's dtype.
+
+    x: [T, C]; initial_state: [N, W-1, C]; cu_seqlens: [N+1] int64.
+    """
+    num_tokens, keep = x.shape[0], initial_state.shape[1]
+    seq = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=x.device), cu_seqlens.diff())
+    offset = torch.arange(num_tokens, device=x.device) - cu_seqlens[seq]
+    # Position in [state rows, tokens] of each kept row: token t keeps positions offset+1 .. offset+W-1.
+    position = offset.unsqueeze(1) + 1 + torch.arange(keep, device=x.device)                # [T, W-1]
+    from_state = initial_state[seq.unsqueeze(1), position.clamp(max=keep - 1)].to(x.dtype)
+    from_tokens = x[(cu_seqlens[seq].unsqueeze(1) + position - keep).clamp(min=0)]
+    return torch.where((position < keep).unsqueeze(-1), from_state, from_tokens)

@@ -1,0 +1,85 @@
+"""The routed experts' grouped GEMM: act(x W1^T, x W3^T) W2^T for every token-expert pair, weighted and summed.
+
+The reference for the Triton grouped GEMM, computing what `kestrel.layers.moe.RoutedExperts.forward` computes
+(without MXFP8 activations): pairs are grouped by expert and padded to the busiest expert's count, the experts
+in use are dequantized (MXFP4) or gathered (dense) in the activation dtype, and each GEMM is one batched matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...quant import dequantize_mxfp4
+
+SILU, SITU = "silu", "situ"
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Stacked routed experts (E experts, D model or latent width, I intermediate width).
+
+    Dense: w1, w3 [E, I, D] and w2 [E, D, I] in a float dtype, scales None. MXFP4: w1, w3 [E, I, D/2] and
+    w2 [E, D, I/2] packed uint8 (two E2M1 codes per byte along the input dim, kestrel.quant.mxfp4's layout) with
+    E8M0 scales w1_scale, w3_scale [E, I, D/32] and w2_scale [E, D, I/32] uint8.
+    """
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor | None = None
+    w3_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def mxfp4(self) -> bool:
+        return self.w1_scale is not None
+
+    def dense(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Weight `name` (w1, w3 or w2) of the experts [E'] as dense [E', out, in] in dtype."""
+        weight = getattr(self, name)[experts]
+        if not self.mxfp4:
+            return weight.to(dtype)
+        return dequantize_mxfp4(weight, getattr(self, f"{name}_scale")[experts], dtype)
+
+
+@dataclass(frozen=True)
+class GLUActivation:
+    """The experts' gated activation: SiLU(gate) * up, or SiTU-GLU with its two betas."""
+
+    kind: str = SILU
+    beta: float = 1.0
+    linear_beta: float = 1.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up: [..., I] -> [..., I] in gate's dtype (SiTU computed in fp32)."""
+        if self.kind == SILU:
+            return F.silu(gate) * up
+        g, u = gate.float(), up.float()
+        act = self.beta * torch.tanh(g / self.beta) * torch.sigmoid(g)
+        return (act * self.linear_beta * torch.tanh(u / self.linear_beta)).to(gate.dtype)
+
+
+def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+                activation: GLUActivation) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) -> [T, D] in z's dtype.
+
+    z: [T, D] (fp32, fp16 or bf16); ids: [T, k] int64; weights: [T, k] fp32 routing weights. Each expert GEMM
+    runs in z's dtype; the weighted sum is accumulated in fp32.
+    """
+    if z.shape[0] == 0:
+        return torch.zeros_like(z)
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    tokens = order // top_k
+    used, group = flat[order].unique_consecutive(return_inverse=True)
+    counts = torch.bincount(group, minlength=len(used))
+    row = torch.arange(len(order), device=z.device) - (counts.cumsum(0) - counts)[group]
+    x = z.new_zeros(len(used), int(counts.max()), z.shape[1]).index_put((group, row), z[tokens])
+    w1, w3, w2 = (experts.dense(name, used, z.dtype) for name in ("w1", "w3", "w2"))
+    h = activation(x @ w1.transpose(1, 2), x @ w3.transpose(1, 2))
+    y = (h @ w2.transpose(1, 2))[group, row].float() * weights.flatten()[order].unsqueeze(-1)
+    return torch.zeros_like(z, dtype=torch.float32).index_add(0, tokens, y).to(z.dtype)

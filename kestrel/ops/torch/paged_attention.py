@@ -1,0 +1,69 @@
+"""Absorbed-form MLA decode straight from the paged latent cache, dense or over the indexer's selected positions.
+
+The cache is a flat array of rows, row = page * page_size + offset, each holding one token's latent (the first
+value_dim values, 512 in the family) and its head-shared key part (64): the keys are whole rows, the values their
+latent part. Rows may be FP8 E4M3 with one fp32 scale each; they are dequantized to the query's dtype on read,
+as `kestrel.layers.cache.PagedRows.read` does. Rows a query cannot see may be unwritten (the cache is not
+initialised), so they never reach a result. Query token t of sequence seq_index[t] sits at positions[t] and
+attends to positions 0..positions[t] of its sequence (all of them, or only those in `selected[t]`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import masked_attention
+
+
+def paged_rows(page_table: torch.Tensor, page_size: int, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Flat cache row of `position` in sequence `seq` (broadcast together); columns past the table clamp to its last."""
+    column = (position // page_size).clamp(max=page_table.shape[1] - 1)
+    return page_table[seq, column] * page_size + position % page_size
+
+
+def read_rows(values: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """Rows [...] of a paged cache (values [R, D], FP8 scales [R] or None) -> [..., D] in dtype."""
+    if scales is None:
+        return values[rows].to(dtype)
+    return (values[rows].float() * scales[rows].unsqueeze(-1)).to(dtype)
+
+
+def selected_mask(selected: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[T, context_len] bool, True at the positions listed in selected [T, k] (entries < 0 list nothing)."""
+    spill = torch.where(selected >= 0, selected, context_len)                 # unlisted entries land past the end
+    mask = torch.zeros(selected.shape[0], context_len + 1, dtype=torch.bool, device=selected.device)
+    return mask.scatter_(1, spill, True)[:, :context_len]
+
+
+def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The topk highest-scoring positions of each query, [T, min(topk, S)] int64, -1 where the score is -inf.
+
+    scores: [T, S] fp32, -inf at disallowed positions. Ties go to the earlier position, as in `topk_mask`, so the
+    selection equals topk_mask's: every allowed position when there are at most topk of them.
+    """
+    ranked = scores.sort(dim=-1, descending=True, stable=True)
+    chosen = ranked.indices[:, :topk]
+    return torch.where(ranked.values[:, :topk] > float("-inf"), chosen, -1)
+
+
+def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: torch.Tensor | None,
+                     page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
+                     scale: float, value_dim: int, selected: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q . rows * scale) @ rows[:, :value_dim] over each query's visible cache rows.
+
+    q: [T, H, Dk] (the absorbed query: latent part, then shared-key part; Dk = the cache row width);
+    cache_values: [R, Dk] (model dtype, or FP8 E4M3 with cache_scales [R] fp32); page_table: [N, P] int64;
+    seq_index, positions: [T] int64; selected: [T, k] int64 positions (-1 = none) for sparse MLA, or None.
+    Returns [T, H, value_dim] in q's dtype; a query with no visible row gets zeros.
+    """
+    context_len = int(positions.max()) + 1 if positions.numel() else 0
+    position = torch.arange(context_len, device=q.device)
+    rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), position)          # [T, S]
+    visible = position <= positions.unsqueeze(1)
+    # Rows past a query's position may never have been written (the cache is not initialised): zero them.
+    context = torch.where(visible.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)
+    context = context.unsqueeze(2)                                                     # [T, S, 1, Dk]
+    mask = visible if selected is None else visible & selected_mask(selected, context_len)
+    o = masked_attention(q.unsqueeze(1), context, context[..., :value_dim], mask.unsqueeze(1), scale)
+    return o.squeeze(1)

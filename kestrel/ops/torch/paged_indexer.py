@@ -1,0 +1,28 @@
+"""The lightning indexer's scores for new tokens against the paged indexer-key cache (K3.1 Pro).
+
+The reference for the Triton scoring kernel; the top-k selection that follows is `topk_positions` (torch on every
+backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .indexer import indexer_scores
+from .paged_attention import paged_rows, read_rows
+
+
+def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: torch.Tensor,
+                         key_scales: torch.Tensor | None, page_table: torch.Tensor, page_size: int,
+                         seq_index: torch.Tensor, positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """I[t, s] = sum_h weights[t, h] relu(q[t, h] . key_s) D^-0.5 for s <= positions[t], else -inf.
+
+    q: [T, Hi, D]; weights: [T, Hi] (already scaled by Hi^-0.5); key_values: [R, D] (model dtype, or FP8 E4M3
+    with key_scales [R] fp32), dequantized to q's dtype; page_table: [N, P] int64; seq_index, positions: [T]
+    int64; context_len: the number of score columns (at least max(positions) + 1). Returns [T, context_len] fp32.
+    """
+    position = torch.arange(context_len, device=q.device)
+    rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), position)           # [T, S]
+    mask = position <= positions.unsqueeze(1)
+    keys = torch.where(mask.unsqueeze(-1), read_rows(key_values, key_scales, rows, q.dtype), 0)   # unwritten: 0
+    return indexer_scores(q.unsqueeze(1), keys, weights.unsqueeze(1), mask.unsqueeze(1)).squeeze(1)

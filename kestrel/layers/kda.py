@@ -8,30 +8,11 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..ops import backend
+from ..ops.torch.kda_decode import KDALayerParams, decay_gate, gated_rms_norm, l2_normalize
 from .batch import ForwardBatch
 from .cache import HybridCache
-from .norm import GatedRMSNorm
-
-
-def kda_decay_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                   lower_bound: float | None) -> torch.Tensor:
-    """Per-channel log decay g <= 0 from the gate projection, in fp32.
-
-    raw: [T, H, K]; A_log: [H]; dt_bias: [H*K]. Kimi-Linear (lower_bound None): g = -exp(A_log) softplus(raw + dt).
-    K3 family: g = lower_bound * sigmoid(exp(A_log) (raw + dt)), so g lies in (lower_bound, 0).
-    """
-    num_heads, head_dim = raw.shape[-2:]
-    x = raw.float() + dt_bias.float().view(num_heads, head_dim)
-    rate = A_log.float().exp().unsqueeze(-1)
-    if lower_bound is None:
-        return -rate * F.softplus(x)
-    return lower_bound * torch.sigmoid(rate * x)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (fla's l2norm)."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+from .norm import RMSNorm
 
 
 class KimiDeltaAttention(nn.Module):
@@ -62,40 +43,51 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
-        self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps, dtype=torch.float32)
+        self.o_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=torch.float32)   # gated by g_proj
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None) -> torch.Tensor:
-        """x: [T, hidden] (after input_layernorm) -> [T, hidden]. Reads and writes the sequences' state slots."""
+        """x: [T, hidden] (after input_layernorm) -> [T, hidden]. Reads and writes the sequences' state slots.
+
+        Decode steps (one token per sequence, with a cache) run as one fused op over the state pool; prefill
+        chunks run the short conv and chunked KDA (from the slots' states with a cache, from zeros without).
+        """
         num_tokens = x.shape[0]
         state = cache.kda[self.kda_index] if cache is not None else None
-        conv_state, recurrent_state = self._initial_states(state, batch)
-
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
-        qkv, conv_final = ops.causal_conv1d(qkv, conv_weight, batch.cu_seqlens, conv_state)
-        q, k, v = F.silu(qkv).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        gate_raw = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, self.num_heads, self.head_dim)
+        out_gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).view_as(gate_raw)
+        if state is not None and batch.max_new <= 1:
+            o, _ = backend.get_op("kda_decode", x.device)(
+                qkv, gate_raw, self.b_proj(x), out_gate, self.step_params(), state.conv, state.recurrent,
+                batch.state_slots, batch.cu_seqlens, batch.prefix_lens > 0)
+        else:
+            o = self._prefill(qkv, gate_raw, self.b_proj(x), batch, state)
+            o = gated_rms_norm(o, out_gate, self.o_norm.weight, self.o_norm.eps)
+        return self.o_proj(o.reshape(num_tokens, -1))
+
+    def step_params(self) -> KDALayerParams:
+        return KDALayerParams(self.conv_weight(), self.A_log, self.dt_bias, self.o_norm.weight, self.lower_bound,
+                              self.o_norm.eps)
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3*H*D, W] fp32: the q, k and v depthwise conv taps."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+
+    def _prefill(self, qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor, batch: ForwardBatch,
+                 state) -> torch.Tensor:
+        """Short conv then chunked KDA over the new tokens: o [T, H, D] before the output norm."""
+        if state is None and batch.has_prefix:
+            raise ValueError("a batch with cached prefixes needs the cache that holds them.")
+        use_state = batch.prefix_lens > 0
+        conv_state = None if state is None else torch.where(use_state.view(-1, 1, 1), state.conv[batch.state_slots], 0)
+        y, conv_final = ops.causal_conv1d(qkv, self.conv_weight(), batch.cu_seqlens, conv_state)
+        q, k, v = F.silu(y).view(qkv.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q, k = l2_normalize(q), l2_normalize(k)
-        g = kda_decay_gate(self.f_b_proj(self.f_a_proj(x)).view_as(q), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-
-        kda = ops.recurrent_kda if batch.max_new <= 1 else ops.chunk_kda
-        o, final_state, _ = kda(q, k, v, g, beta, batch.cu_seqlens, initial_state=recurrent_state)
-        if state is not None:
-            state.conv[batch.state_slots] = conv_final.detach().to(state.conv.dtype)
-            state.recurrent[batch.state_slots] = final_state.detach().to(state.recurrent.dtype)
-
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o, gate.view_as(o)).reshape(num_tokens, -1)
-        return self.o_proj(o)
-
-    def _initial_states(self, state, batch: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The sequences' conv and recurrent states; zero for a sequence with no prefix, whatever its slot holds."""
-        if state is None:
-            if batch.has_prefix:
-                raise ValueError("a batch with cached prefixes needs the cache that holds them.")
-            return None, None
-        keep = (batch.prefix_lens > 0).view(-1, 1, 1)
-        conv = torch.where(keep, state.conv[batch.state_slots], 0)
-        recurrent = torch.where(keep.unsqueeze(-1), state.recurrent[batch.state_slots].float(), 0)
-        return conv, recurrent
+        g = decay_gate(gate_raw, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(beta_raw.float())
+        if state is None:                                  # training, or a plain forward: no pools to update
+            return ops.chunk_kda(q, k, v, g, beta, batch.cu_seqlens)[0]
+        state.conv[batch.state_slots] = conv_final.detach().to(state.conv.dtype)
+        return backend.get_op("kda_prefill", qkv.device)(q, k, v, g, beta, batch.cu_seqlens, state.recurrent,
+                                                         batch.state_slots, use_state)[0]

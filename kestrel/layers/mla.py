@@ -14,6 +14,8 @@ from torch import nn
 
 from .. import ops
 from ..config import ModelConfig
+from ..ops import backend
+from ..ops.torch.paged_attention import topk_positions
 from .batch import ForwardBatch
 from .cache import HybridCache
 from .norm import RMSNorm
@@ -43,11 +45,15 @@ class LightningIndexer(nn.Module):
         k = F.layer_norm(self.wk(x).float(), (self.head_dim,), self.k_norm.weight.float(), bias, self.k_norm.eps)
         return k.to(x.dtype)
 
+    def queries(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index queries [T, Hi, D] and their head weights [T, Hi] fp32 (scaled by Hi^-0.5)."""
+        q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
+        return q, self.weights_proj(x).float() * self.num_heads ** -0.5
+
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, context_keys: torch.Tensor, batch: ForwardBatch,
                mask: torch.Tensor) -> torch.Tensor:
         """Index scores [N, L, S] fp32 (-inf where mask is False) of the new tokens against context_keys [N, S, D]."""
-        q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
-        weights = self.weights_proj(x).float() * self.num_heads ** -0.5
+        q, weights = self.queries(x, q_latent)
         return ops.indexer_scores(batch.to_padded(q), context_keys, batch.to_padded(weights), mask)
 
 
@@ -100,6 +106,40 @@ class GatedMLA(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
         index_keys = self.indexer.keys(x) if self.indexer is not None else None
 
+        if cache is not None and self._absorbed_form(batch) and index_scores_out is None and attention_out is None:
+            o = self._absorbed_paged(x, q, q_latent, latent, index_keys, batch, cache)
+        else:
+            o = self._attend_context(x, q, q_latent, latent, index_keys, batch, cache, index_scores_out,
+                                     attention_out)
+        o = o.reshape(num_tokens, -1)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _absorbed_paged(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, latent: torch.Tensor,
+                        index_keys: torch.Tensor | None, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """The absorbed form straight over the pages (decode): q [T, H, 192] -> [T, H, v_dim]."""
+        pages = cache.mla[self.mla_index]
+        pages.latent.write(batch.kv_write_index, latent)
+        selected = None
+        if self.indexer is not None:
+            pages.index_keys.write(batch.kv_write_index, index_keys)
+            scores = backend.get_op("paged_indexer_scores", x.device)(
+                *self.indexer.queries(x, q_latent), pages.index_keys.values, pages.index_keys.scales,
+                batch.page_table, cache.page_size, batch.seq_index, batch.positions, batch.max_total)
+            selected = topk_positions(scores, self.indexer.topk)
+        w_uk, w_uv = self._absorption()
+        q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_full = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)
+        o_latent = backend.get_op("paged_mla_decode", x.device)(
+            q_full, pages.latent.values, pages.latent.scales, batch.page_table, cache.page_size, batch.seq_index,
+            batch.positions, self.scale, self.latent_dim, selected)
+        return torch.einsum("thr,hvr->thv", o_latent, w_uv)
+
+    def _attend_context(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, latent: torch.Tensor,
+                        index_keys: torch.Tensor | None, batch: ForwardBatch, cache: HybridCache | None,
+                        index_scores_out: list | None, attention_out: list | None) -> torch.Tensor:
+        """Attention over each sequence's whole context gathered in a padded batch: q [T, H, 192] -> [T, H, v]."""
         context, context_keys = self._context(latent, index_keys, batch, cache)
         mask = self._causal_mask(batch, context.shape[1])
         if self.indexer is not None:
@@ -107,16 +147,14 @@ class GatedMLA(nn.Module):
             if index_scores_out is not None:
                 index_scores_out.append(scores)
             mask = ops.topk_mask(scores, mask, self.indexer.topk)
-
         q = batch.to_padded(q)
         if attention_out is not None:
             attention_out.append(self.attention_distribution(q, context, mask))
-        absorbed = self.form == ABSORBED or (self.form == AUTO and batch.max_new == 1)
-        o = self._absorbed(q, context, mask) if absorbed else self._plain(q, context, mask)
-        o = batch.from_padded(o).reshape(num_tokens, -1)
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+        attend = self._absorbed if self._absorbed_form(batch) else self._plain
+        return batch.from_padded(attend(q, context, mask))
+
+    def _absorbed_form(self, batch: ForwardBatch) -> bool:
+        return self.form == ABSORBED or (self.form == AUTO and batch.max_new == 1)
 
     def _context(self, latent: torch.Tensor, index_keys: torch.Tensor | None, batch: ForwardBatch,
                  cache: HybridCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -167,10 +205,14 @@ class GatedMLA(nn.Module):
         probs = torch.softmax(scores.masked_fill(~mask.unsqueeze(1), torch.finfo(torch.float32).min), dim=-1)
         return (probs * mask.unsqueeze(1)).mean(1)
 
+    def _absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into W_UK [H, nope, 512] (folded into the query) and W_UV [H, v, 512]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
     def _absorbed(self, q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [N, L, H, 192], context [N, S, 576] -> [N, L, H, v_dim]; attention over the shared latent."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
-        w_uk, w_uv = w[:, :self.nope_dim], w[:, self.nope_dim:]
+        w_uk, w_uv = self._absorption()
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_latent = torch.einsum("nlhd,hdr->nlhr", q_nope, w_uk)
         q_full = torch.cat([q_latent, q_shared], dim=-1)

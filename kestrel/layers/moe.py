@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..quant import dequantize_mxfp4, fake_quantize_mxfp8
-from .activation import glu
+from ..ops import backend
+from ..ops.torch.moe import ExpertWeights, grouped_moe
+from ..quant import fake_quantize_mxfp8
+from .activation import glu_activation
 from .norm import RMSNorm
 
 
@@ -21,13 +23,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, hidden: int, intermediate: int):
         super().__init__()
-        self.config = config
+        self.activation = glu_activation(config)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(self.config, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -65,12 +67,14 @@ class RoutedExperts(nn.Module):
     """E experts of act(w1 z, w3 z) -> w2, held stacked: dense `w1, w3` [E, I, D], `w2` [E, D, I], or MXFP4
     `w{1,3,2}_packed` (uint8, two values per byte along the input dim) with `w{1,3,2}_scale` (E8M0 per 32).
 
-    Packed experts stay packed in memory; the experts a batch uses are dequantized when it runs.
+    Packed experts stay packed in memory; the experts a batch uses are dequantized when it runs (by the Triton
+    kernel on CUDA, inside its GEMM). With `mxfp8_activations` (off by default) the GEMM inputs are rounded to
+    MXFP8, as the family's quantization-aware training did; that runs on the torch reference.
     """
 
     def __init__(self, config: ModelConfig, dim: int):
         super().__init__()
-        self.config = config
+        self.activation = glu_activation(config)
         self.mxfp4 = config.experts_mxfp4
         self.mxfp8_activations = False
         e, i = config.num_experts, config.moe_intermediate_size
@@ -83,41 +87,17 @@ class RoutedExperts(nn.Module):
             else:
                 setattr(self, name, nn.Parameter(torch.zeros(shape)))
 
-    def expert_weights(self, name: str, experts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Dense weights `name` (w1, w3 or w2) in dtype, [E', out, in], of the sorted experts [E'] (MXFP4 ones
-        dequantized here), or of all experts in place when experts is None."""
+    def weights(self) -> ExpertWeights:
         if self.mxfp4:
-            return dequantize_mxfp4(getattr(self, f"{name}_packed")[experts], getattr(self, f"{name}_scale")[experts],
-                                    dtype)
-        weight = getattr(self, name)
-        return (weight if experts is None else weight[experts]).to(dtype)
+            return ExpertWeights(self.w1_packed, self.w3_packed, self.w2_packed, self.w1_scale, self.w3_scale,
+                                 self.w2_scale)
+        return ExpertWeights(self.w1, self.w3, self.w2)
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype.
-
-        Token-expert pairs are grouped by expert and padded to the busiest expert's count, so each expert GEMM
-        of the batch is one batched matmul: over the experts in use (MXFP4 ones are dequantized, dense ones
-        copied), or, for dense weights when most experts are in use, over all of them without copying weights.
-        """
-        top_k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        tokens = order // top_k
-        experts, group = flat[order].unique_consecutive(return_inverse=True)
-        if not self.mxfp4 and 2 * len(experts) > self.config.num_experts:
-            experts, group = None, flat[order]
-        counts = torch.bincount(group, minlength=self.config.num_experts if experts is None else len(experts))
-        row = torch.arange(len(order), device=z.device) - (counts.cumsum(0) - counts)[group]
-        x = z.new_zeros(len(counts), int(counts.max()), z.shape[1]).index_put((group, row), z[tokens])
-        w1, w3, w2 = (self.expert_weights(n, experts, z.dtype) for n in ("w1", "w3", "w2"))
-        x = self._quant(x)
-        h = self._quant(glu(self.config, x @ w1.transpose(1, 2), x @ w3.transpose(1, 2)))
-        y = (h @ w2.transpose(1, 2))[group, row].float() * weights.flatten()[order].unsqueeze(-1)
-        return torch.zeros_like(z, dtype=torch.float32).index_add(0, tokens, y).to(z.dtype)
-
-    def _quant(self, x: torch.Tensor) -> torch.Tensor:
-        """MXFP8 fake quantization of an expert GEMM input, when switched on (off by default)."""
-        return fake_quantize_mxfp8(x) if self.mxfp8_activations else x
+        """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype."""
+        if self.mxfp8_activations:
+            return grouped_moe(z, ids, weights, self.weights(), self.activation, fake_quantize_mxfp8)
+        return backend.get_op("moe_experts", z.device)(z, ids, weights, self.weights(), self.activation)
 
 
 class MoE(nn.Module):

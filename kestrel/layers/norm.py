@@ -1,4 +1,4 @@
-"""Normalisation layers: RMSNorm, the per-head gated RMSNorm of KDA's output, and AttnRes' depth mix."""
+"""RMSNorm (AttnRes' depth mix and its norm are one op: kestrel.ops.torch.attn_res)."""
 
 from __future__ import annotations
 
@@ -23,27 +23,3 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-class GatedRMSNorm(RMSNorm):
-    """KDA output norm: RMSNorm(x) * sigmoid(gate) per head, in fp32 (weight [head_dim], fp32 in checkpoints)."""
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate: [..., head_dim] -> [..., head_dim] in x's dtype."""
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * torch.sigmoid(gate.float())).to(x.dtype)
-
-
-def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """Attention Residuals: a softmax over depth that mixes stored residual snapshots.
-
-    Each source v_i [T, D] gets the logit s_i = <RMSNorm(v_i) * norm.weight, proj.weight>; the result is
-    sum_i softmax_i(s_i) v_i over the raw sources, computed in fp32 (model-spec section 3). proj is Linear(D, 1).
-    Returns [T, D] in the sources' dtype.
-    """
-    v = torch.stack(sources).float()                                        # [S, T, D]
-    scale = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
-    w = norm.weight.float() * proj.weight.float().squeeze(0)                # [D]
-    p = torch.softmax((v * scale) @ w, dim=0)                               # [S, T]
-    return (p.unsqueeze(-1) * v).sum(0).to(sources[-1].dtype)

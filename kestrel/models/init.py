@@ -9,7 +9,7 @@ from torch import nn
 
 from ..layers.kda import KimiDeltaAttention
 from ..layers.moe import RoutedExperts, Router
-from ..layers.norm import GatedRMSNorm, RMSNorm
+from ..layers.norm import RMSNorm
 from ..quant import quantize_mxfp4
 from .kimi import KimiForCausalLM
 
@@ -33,7 +33,7 @@ def init_weights(model: KimiForCausalLM, seed: int = 0, std: float = 0.02) -> Ki
         elif isinstance(module, nn.Conv1d):
             bound = 1 / math.sqrt(module.kernel_size[0])
             module.weight.copy_((torch.rand(module.weight.shape, generator=gen) * 2 - 1) * bound)
-        elif isinstance(module, (RMSNorm, GatedRMSNorm, nn.LayerNorm)):
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             module.weight.fill_(1.0)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()

@@ -22,7 +22,8 @@ from ..layers.cache import HybridCache
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import GatedMLA
 from ..layers.moe import MoE, GatedMLP
-from ..layers.norm import RMSNorm, attn_res_mix
+from ..layers.norm import RMSNorm
+from ..ops import backend
 
 
 class DecoderLayer(nn.Module):
@@ -52,17 +53,15 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(d, eps)
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        block = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return block(self.post_attention_layernorm(x))
-
-    def attend(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(x), batch, cache)
+    @property
+    def ffn(self) -> nn.Module:
+        """The feed-forward block (dense `mlp` or `block_sparse_moe`), reading the post-attention-normed input."""
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
         """Plain pre-norm residual block, x [T, D] -> [T, D]."""
-        x = x + self.attend(x, batch, cache)
-        return x + self.ffn(x)
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class MTPLayer(DecoderLayer):
@@ -130,18 +129,27 @@ class KimiTextModel(nn.Module):
     def _forward_attn_res(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
         """AttnRes stream: `blocks` holds snapshots (the embedding, then each finished block's sum of sublayer
         outputs); `partial` is the running sum of the current block. Each sublayer reads a softmax mix of both."""
+        mix = backend.get_op("attn_res_mix_norm", x.device)
+
+        def mixed(mix_norm: RMSNorm, proj: nn.Linear, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+            """The softmax mix of blocks + [partial] and its RMSNorm by next_norm (one fused op)."""
+            return mix(torch.stack(blocks + [partial]), mix_norm.weight, proj.weight[0], mix_norm.eps,
+                       next_norm.weight, next_norm.eps)
+
         blocks: list[torch.Tensor] = []
         partial = x
         for i, layer in enumerate(self.decoder_layers):
-            h = partial if not blocks else attn_res_mix(
-                blocks + [partial], layer.self_attention_res_norm, layer.self_attention_res_proj)
+            if blocks:
+                _, h = mixed(layer.self_attention_res_norm, layer.self_attention_res_proj, layer.input_layernorm)
+            else:
+                h = layer.input_layernorm(partial)
             if i % self.config.attn_res_block_size == 0:
                 blocks.append(partial)
                 partial = torch.zeros_like(partial)
-            partial = partial + layer.attend(h, batch, cache)
-            m = attn_res_mix(blocks + [partial], layer.mlp_res_norm, layer.mlp_res_proj)
+            partial = partial + layer.self_attn(h, batch, cache)
+            _, m = mixed(layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
             partial = partial + layer.ffn(m)
-        return attn_res_mix(blocks + [partial], self.output_attn_res_norm, self.output_attn_res_proj)
+        return mixed(self.output_attn_res_norm, self.output_attn_res_proj, self.norm)[0]
 
 
 class KimiForCausalLM(nn.Module):

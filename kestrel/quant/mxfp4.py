@@ -8,7 +8,7 @@ byte: byte j of a row holds column 2j in its low nibble and column 2j+1 in its h
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "E2M1_VALUES", "quantize_mxfp4", "dequantize_mxfp4"]
+__all__ = ["BLOCK", "E2M1_VALUES", "quantize_mxfp4", "dequantize_mxfp4", "fake_quantize_mxfp4"]
 
 BLOCK = 32
 """Values per E8M0 scale, along the last dim."""
@@ -68,6 +68,15 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.b
     values = torch.ldexp(blocks, exponent.unsqueeze(-1))
     values = values.masked_fill((scale == _SCALE_NAN).unsqueeze(-1), float("nan"))
     return values.flatten(-2).to(dtype)
+
+
+def fake_quantize_mxfp4(w: Tensor) -> Tensor:
+    """w [..., K] rounded to MXFP4 and back, in w's dtype, for quantization-aware training.
+
+    Straight-through estimator: the forward value is dequantize(quantize(w)), the gradient is the identity.
+    """
+    packed, scale = quantize_mxfp4(w.detach())
+    return dequantize_mxfp4(packed, scale, w.dtype) + (w - w.detach())
 
 
 def _block_exponent(amax: Tensor) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 
-from kestrel.layers.kda import kda_decay_gate, l2_normalize
+from kestrel.ops.torch.kda_decode import decay_gate, l2_normalize
 
 
 def inputs(h: int = 3, k: int = 8):
@@ -16,12 +16,12 @@ def inputs(h: int = 3, k: int = 8):
 
 def test_unbounded_gate_matches_fla():
     raw, a_log, dt = inputs()
-    torch.testing.assert_close(kda_decay_gate(raw, a_log, dt, None), naive_kda_gate(raw, a_log, dt))
+    torch.testing.assert_close(decay_gate(raw, a_log, dt, None), naive_kda_gate(raw, a_log, dt))
 
 
 def test_lower_bound_gate_matches_fla():
     raw, a_log, dt = inputs()
-    got = kda_decay_gate(raw, a_log, dt, -5.0)
+    got = decay_gate(raw, a_log, dt, -5.0)
     torch.testing.assert_close(got, naive_kda_lowerbound_gate(raw, a_log, dt, lower_bound=-5.0))
     assert bool(((got >= -5.0) & (got <= 0)).all())   # saturates to the bounds in fp32
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kestrel.quant.mxfp4 import BLOCK, E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
+from kestrel.quant.mxfp4 import BLOCK, E2M1_VALUES, dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4
 
 # The spec's table (model-spec section 7.1), code -> value.
 SPEC_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -274,3 +274,15 @@ def test_quantize_rejects_bad_input(w, message):
 def test_dequantize_rejects_mismatched_tensors(packed, scale, message):
     with pytest.raises(ValueError, match=message):
         dequantize_mxfp4(packed, scale)
+
+
+def test_fake_quantization_is_the_round_trip_with_a_straight_through_gradient():
+    """QAT's forward value is what the export will store; its gradient passes through unchanged."""
+    w = (torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(5)) * 0.02).requires_grad_()
+    fake = fake_quantize_mxfp4(w)
+    packed, scale = quantize_mxfp4(w.detach())
+    assert torch.equal(fake.detach(), dequantize_mxfp4(packed, scale, torch.float32))
+    assert not torch.equal(fake.detach(), w.detach())
+    upstream = torch.randn_like(w)
+    fake.backward(upstream)
+    assert torch.equal(w.grad, upstream)

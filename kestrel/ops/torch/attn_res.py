@@ -1,7 +1,7 @@
 """AttnRes depth mix followed by the RMSNorm of the sublayer that reads it (model-spec section 3).
 
-The reference for the fused Triton kernel: the mix is `kestrel.layers.norm.attn_res_mix` and the norm is the next
-sublayer's input RMSNorm, both written out here so the op stands alone.
+What the decoder runs before every sublayer of a K3-family model (and at the output, where the mix itself is the
+hidden state): the mix, then the next sublayer's input RMSNorm. The Triton kernel fuses both.
 """
 
 from __future__ import annotations

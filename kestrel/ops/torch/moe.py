@@ -7,6 +7,7 @@ in use are dequantized (MXFP4) or gathered (dense) in the activation dtype, and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +38,16 @@ class ExpertWeights:
     def mxfp4(self) -> bool:
         return self.w1_scale is not None
 
-    def dense(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Weight `name` (w1, w3 or w2) of the experts [E'] as dense [E', out, in] in dtype."""
-        weight = getattr(self, name)[experts]
+    def dense(self, name: str, experts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Weight `name` (w1, w3 or w2) as dense [E', out, in] in dtype: of the experts [E'], or of all of them
+        (dense weights used in place, no copy in their own dtype) when experts is None."""
+        weight = getattr(self, name)
+        if experts is not None:
+            weight = weight[experts]
         if not self.mxfp4:
             return weight.to(dtype)
-        return dequantize_mxfp4(weight, getattr(self, f"{name}_scale")[experts], dtype)
+        scale = getattr(self, f"{name}_scale")
+        return dequantize_mxfp4(weight, scale if experts is None else scale[experts], dtype)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,16 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     z: [T, D] (fp32, fp16 or bf16); ids: [T, k] int64; weights: [T, k] fp32 routing weights. Each expert GEMM
     runs in z's dtype; the weighted sum is accumulated in fp32.
     """
+    return grouped_moe(z, ids, weights, experts, activation, quantize_inputs=lambda t: t)
+
+
+def grouped_moe(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+                activation: GLUActivation, quantize_inputs: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """moe_experts with quantize_inputs (e.g. MXFP8 fake quantization) applied to both GEMMs' inputs.
+
+    Pairs are grouped by expert and padded to the busiest expert's count, so each GEMM is one batched matmul over
+    the experts in use, or over all experts (dense weights in place, no copies) when most of them are in use.
+    """
     if z.shape[0] == 0:
         return torch.zeros_like(z)
     top_k = ids.shape[1]
@@ -76,10 +91,13 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     order = flat.argsort(stable=True)
     tokens = order // top_k
     used, group = flat[order].unique_consecutive(return_inverse=True)
-    counts = torch.bincount(group, minlength=len(used))
+    if not experts.mxfp4 and 2 * len(used) > experts.w1.shape[0]:
+        used, group = None, flat[order]
+    counts = torch.bincount(group, minlength=experts.w1.shape[0] if used is None else len(used))
     row = torch.arange(len(order), device=z.device) - (counts.cumsum(0) - counts)[group]
-    x = z.new_zeros(len(used), int(counts.max()), z.shape[1]).index_put((group, row), z[tokens])
+    x = z.new_zeros(len(counts), int(counts.max()), z.shape[1]).index_put((group, row), z[tokens])
     w1, w3, w2 = (experts.dense(name, used, z.dtype) for name in ("w1", "w3", "w2"))
-    h = activation(x @ w1.transpose(1, 2), x @ w3.transpose(1, 2))
+    x = quantize_inputs(x)
+    h = quantize_inputs(activation(x @ w1.transpose(1, 2), x @ w3.transpose(1, 2)))
     y = (h @ w2.transpose(1, 2))[group, row].float() * weights.flatten()[order].unsqueeze(-1)
     return torch.zeros_like(z, dtype=torch.float32).index_add(0, tokens, y).to(z.dtype)

@@ -1,7 +1,8 @@
-"""The fused KDA decode step: the torch reference against the KDA layer, the Triton kernel against the reference.
+"""The fused KDA decode step: the torch reference against the KDA layer's chunked prefill path, the Triton kernel
+against the reference.
 
-Oracles: `KimiDeltaAttention.forward` with a HybridCache (the reference composed as phase 2 will call it must give
-the layer's output and pool contents), then `kestrel.ops.torch.kda_decode.kda_decode` for the kernel, run under
+Oracles: the layer's prefill path (short conv, then chunked KDA from the slots' states) on the same tokens must give
+the fused step's output and pool contents; then `kestrel.ops.torch.kda_decode.kda_decode` for the kernel, run under
 the Triton interpreter. Tolerances, relative to the largest reference magnitude: 1e-5 for fp32 (observed at most
 4e-7), 1e-3 for fp16 inputs (observed at most 2e-5 on o, where one fp16 rounding of the conv, silu or output can
 land on the other side; the fp32 states stay within 3e-7).
@@ -30,26 +31,34 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).abs().max() / scale)
 
 
-def layer_call(layer, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-    """What KimiDeltaAttention.forward becomes with the fused op (phase 2's call, written out)."""
-    num_tokens = x.shape[0]
-    heads, dim = layer.num_heads, layer.head_dim
+def layer_inputs(layer, x: torch.Tensor) -> tuple:
+    """The KDA layer's projections of x: qkv, the decay-gate input, beta logits and the output gate."""
+    num_tokens, heads, dim = x.shape[0], layer.num_heads, layer.head_dim
     qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
-    conv_weight = torch.cat([layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight])[:, 0]
     gate = layer.g_proj(x) if hasattr(layer, "g_proj") else layer.g_b_proj(layer.g_a_proj(x))
-    params = KDALayerParams(conv_weight, layer.A_log, layer.dt_bias, layer.o_norm.weight, layer.lower_bound,
-                            layer.o_norm.eps)
+    return (qkv, layer.f_b_proj(layer.f_a_proj(x)).view(num_tokens, heads, dim), layer.b_proj(x),
+            gate.view(num_tokens, heads, dim))
+
+
+def fused_step(layer, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+    """The layer's decode path: the fused reference op over the pool."""
     state = cache.kda[layer.kda_index]
-    o, _ = reference.kda_decode(qkv, layer.f_b_proj(layer.f_a_proj(x)).view(num_tokens, heads, dim), layer.b_proj(x),
-                                gate.view(num_tokens, heads, dim), params, state.conv, state.recurrent,
+    o, _ = reference.kda_decode(*layer_inputs(layer, x), layer.step_params(), state.conv, state.recurrent,
                                 batch.state_slots, batch.cu_seqlens, batch.prefix_lens > 0)
-    return layer.o_proj(o.reshape(num_tokens, -1))
+    return o
+
+
+def prefill_path(layer, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+    """The layer's prefill path on the same tokens: short conv and chunked KDA from the slots, then the norm."""
+    qkv, gate_raw, beta_raw, out_gate = layer_inputs(layer, x)
+    o = layer._prefill(qkv, gate_raw, beta_raw, batch, cache.kda[layer.kda_index])
+    return reference.gated_rms_norm(o, out_gate, layer.o_norm.weight, layer.o_norm.eps)
 
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny"])
 @pytest.mark.parametrize("new_lens", [[1, 1, 1, 1], [3, 1, 0, 2]])
 @torch.inference_mode()
-def test_reference_matches_layer(preset: str, new_lens: list[int]) -> None:
+def test_reference_matches_the_prefill_path(preset: str, new_lens: list[int]) -> None:
     model, _ = tiny_model(preset)
     layer = next(m.self_attn for m in model.model.layers if hasattr(m.self_attn, "kda_index"))
     generator = torch.Generator().manual_seed(1)
@@ -66,8 +75,8 @@ def test_reference_matches_layer(preset: str, new_lens: list[int]) -> None:
     batch = ForwardBatch.build(new_lens, prefix, SLOTS)
     x = torch.randn(sum(new_lens), model.config.hidden_size, generator=generator)
 
-    expected = layer(x, batch, caches[0])
-    actual = layer_call(layer, x, batch, caches[1])
+    expected = prefill_path(layer, x, batch, caches[0])
+    actual = fused_step(layer, x, batch, caches[1])
     assert relative_error(actual, expected) < 1e-5
     for name in ("conv", "recurrent"):
         pools = [getattr(c.kda[layer.kda_index], name) for c in caches]

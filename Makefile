@@ -5,7 +5,6 @@ KESTREL := $(VENV)/bin/kestrel
 # The pinned CPU build of torch lies on these machines' disk; elsewhere pip takes it from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS)
-DEMO_MODEL := .cache/k3.1-tiny-random
 
 .PHONY: serve test clean
 
@@ -20,10 +19,9 @@ $(VENV)/.test: pyproject.toml | $(PY)
 	$(PIP) -e '.[test]'
 	touch $@ $(VENV)/.runtime
 
-# Until kestrel ships its bundled model, `make serve` serves a tiny random K3.1-architecture model on 127.0.0.1:8000.
+# Serves the bundled model, models/k3.1-tiny, on 127.0.0.1:8000.
 serve: $(VENV)/.runtime
-	@test -f $(DEMO_MODEL)/config.json || $(KESTREL) random-model k3.1-tiny --out $(DEMO_MODEL)
-	$(KESTREL) serve --model $(DEMO_MODEL) --served-model-name k3.1-tiny-random
+	$(KESTREL) serve
 
 # The cookbook page is tested in a real headless browser (Debian's chromium, installed when missing).
 test: $(VENV)/.test

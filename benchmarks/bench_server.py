@@ -1,6 +1,6 @@
 """The HTTP path's added latency: TTFT and inter-token latency through `kestrel serve` against the offline API.
 
-One run, same machine, same model (a random K3.1-tiny checkpoint, float32) and the same requests: 24 greedy
+One run, same machine, same model (the bundled k3.1-tiny, computing in float32) and the same requests: 24 greedy
 requests of 32 prompt token ids and 32 output tokens, one at a time, streamed both ways, alternating between
 the two paths. The server runs as a separate process on loopback (as users run it); the client measures from
 sending the request.
@@ -15,7 +15,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
 from kestrel import LLM, SamplingParams  # noqa: E402
+from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_server.py"
 REQUESTS, PROMPT, OUTPUT, PORT = 24, 32, 32, 8765
@@ -42,7 +42,7 @@ def measure(model: Path) -> tuple[list, list]:
                                str(PORT), "--dtype", "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{PORT}"
     try:
-        _wait_until_up(url)
+        wait_until_up(url)
         with httpx.Client(base_url=url, timeout=120) as http:
             _offline(llm, prompts()[0], params), _stream(http, prompts()[0])       # warm-up
             pairs = [(_offline(llm, p, params), _stream(http, p)) for p in prompts()]
@@ -59,7 +59,7 @@ def _offline(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float
     return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _wait_until_up(url: str) -> None:
+def wait_until_up(url: str) -> None:
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -89,19 +89,15 @@ def summary(label: str, timings: list[tuple[float, list[float]]]) -> list[object
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "model"
-        subprocess.run([sys.executable, "-m", "kestrel.cli", "random-model", "k3.1-tiny", "--out", str(model)],
-                       check=True, stdout=subprocess.DEVNULL)
-        offline, served = measure(model)
-        rows = [summary("offline `LLM.stream`", offline), summary("HTTP `/v1/completions` stream", served)]
+    offline, served = measure(BUNDLED_MODEL)
+    rows = [summary("offline `LLM.stream`", offline), summary("HTTP `/v1/completions` stream", served)]
     for row in rows:
         print(json.dumps(row))
     added = [f"{float(b) - float(a):+.2f}" for a, b in zip(rows[0][1:], rows[1][1:])]
     body = "\n\n".join([
         "## Server: latency added by the HTTP path",
         f"{REQUESTS} greedy requests of {PROMPT} prompt token ids and {OUTPUT} output tokens, one at a time, "
-        "on a random K3.1-tiny checkpoint (float32); the server runs as a separate `kestrel serve` process on "
+        "on the bundled k3.1-tiny (float32 compute); the server runs as a separate `kestrel serve` process on "
         "loopback and the client times each streamed chunk; offline and HTTP requests alternate. Milliseconds.",
         machine(),
         markdown_table(["path", "TTFT mean", "TTFT p50", "TTFT p90", "ITL mean", "ITL p50", "ITL p90"],

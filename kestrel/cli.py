@@ -19,7 +19,7 @@ from .bench.cli import add_commands as add_bench_commands
 from .bench.client import ServerError
 from .config import load_config, parse_config
 from .cookbook.cli import add_commands as add_cookbook_commands
-from .engine.args import EngineArgs
+from .engine.args import BUNDLED_MODEL, EngineArgs
 from .engine.llm import LLM
 from .engine.sampling import SamplingParams
 from .models.checkpoint import build_model, load_model, save_model
@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: --model; k3.1-tiny for the bundled model)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-queued-requests", type=int, default=None, help="answer 429 beyond this many queued")
     EngineArgs.add_cli_args(p)
@@ -90,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.model is None:
-        raise UsageError("--model is required until kestrel ships its bundled model.")
+    if args.served_model_name is None and Path(args.model) == BUNDLED_MODEL:
+        args.served_model_name = BUNDLED_MODEL.name
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise UsageError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}.")
     serve(EngineArgs.from_cli(args), args.host, args.port, args.served_model_name, args.api_key,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -54,6 +56,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_kestrel_serve(*args: str) -> tuple[subprocess.Popen, str]:
+    """`kestrel serve --port P *args` as users run it, in its own process; (process, base URL) once /health
+    answers 200."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            if time.time() > deadline or process.poll() is not None:
+                process.kill()
+                raise RuntimeError(f"kestrel serve did not come up: {process.communicate()[0][-2000:]}")
+            time.sleep(0.2)
 
 
 class LiveServer:

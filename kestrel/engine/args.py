@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
+
+from ..ops.backend import CHOICES, FAMILIES, set_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+BACKENDS = CHOICES
+BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
+"""The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 
 
 @dataclass
@@ -36,6 +42,10 @@ class EngineArgs:
     chunked_prefill_size: int = 2048             # most prompt tokens of one request per step
     max_prefill_tokens: int = 8192               # most tokens (prefill and decode) in one step
     random_seed: int = 0                         # seeds requests that set no seed of their own
+    attention_backend: str = "auto"              # MLA decode and the indexer: auto (Triton on CUDA), torch, triton
+    moe_backend: str = "auto"                    # routed experts
+    kda_backend: str = "auto"                    # KDA decode and prefill over the state pool
+    norm_backend: str = "auto"                   # AttnRes mix + RMSNorm
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +65,8 @@ class EngineArgs:
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
         ]
+        checks += [(getattr(self, f"{family}_backend") in BACKENDS, f"{family}_backend",
+                    f"one of {', '.join(BACKENDS)}") for family in FAMILIES]
         for ok, name, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
@@ -66,9 +78,15 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             kind = {"int | None": int, "float | None": float, "int": int, "float": float}.get(str(f.type), str)
             if f.name == "model":
-                parser.add_argument(flag, help="model folder")
+                parser.add_argument(flag, default=str(BUNDLED_MODEL), help="model folder (default: the bundled "
+                                                                            "k3.1-tiny)")
             else:
                 parser.add_argument(flag, type=kind, default=f.default)
+
+    def apply_backends(self) -> None:
+        """Make every op family run the implementation chosen here (a process-wide setting)."""
+        for family in FAMILIES:
+            set_backend(getattr(self, f"{family}_backend"), family)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:

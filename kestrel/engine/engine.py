@@ -30,6 +30,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
+        args.apply_backends()
         folder, device = Path(args.model), torch.device(args.device)
         self.model = load_model(folder, None if args.dtype == "auto" else DTYPES[args.dtype], device)
         self.config = self.model.config

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,24 +11,12 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import LiveServer, free_port
+from server_helpers import LiveServer, start_kestrel_serve
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(model_folder):
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--model", str(model_folder),
-                                "--port", str(port), "--served-model-name", "m"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_kestrel_serve("--model", str(model_folder), "--served-model-name", "m")
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.time() < deadline and process.poll() is None, "kestrel serve did not come up"
-                time.sleep(0.2)
         lines: list[str] = []
         started = threading.Event()
 

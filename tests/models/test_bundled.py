@@ -1,0 +1,145 @@
+"""The bundled model, models/k3.1-tiny: it loads through the normal loader, generates deterministically, and its
+model card's numbers (eval.json) hold when re-measured here on the held-out sample shipped beside it.
+
+The measurements are written out plainly from the model's forward API, independently of tools/tiny_eval.py which
+produced the card (the protocol is the same: windows of `seq_len` tokens after [BOS], fp32 weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import greedy_generate
+from server_helpers import start_kestrel_serve
+from kestrel import LLM, SamplingParams
+from kestrel.config import KDA, MLA, load_config
+from kestrel.engine.tokenizer import Tokenizer
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.mla import GatedMLA
+from kestrel.models.checkpoint import load_model
+from kestrel.models.inspect import inspect_config
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
+CARD = json.loads((MODEL / "eval.json").read_text())
+SEQ_LEN = CARD["protocol"]["seq_len"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def windows() -> list[torch.Tensor]:
+    """The held-out sample in windows of SEQ_LEN tokens, each after [BOS]."""
+    tokenizer = Tokenizer.from_folder(MODEL)
+    ids = tokenizer.encode((MODEL / CARD["sample"]["file"]).read_text(encoding="utf-8"), add_special_tokens=False)
+    return [torch.tensor([tokenizer.bos_token_id] + ids[i:i + SEQ_LEN]) for i in range(0, len(ids), SEQ_LEN)]
+
+
+def packed(windows: list[torch.Tensor], trim: int) -> tuple[torch.Tensor, ForwardBatch]:
+    """Every window without its last `trim` tokens, packed into one batch."""
+    return torch.cat([w[:-trim] for w in windows]), ForwardBatch.build([len(w) - trim for w in windows])
+
+
+def test_loads_through_the_normal_loader_within_budget(model):
+    config = load_config(MODEL)
+    assert config.architecture == "KimiK31ForConditionalGeneration"
+    assert config.layer_types == (KDA, KDA, KDA, MLA, KDA, MLA)
+    assert config.has_indexer and config.index_topk < SEQ_LEN
+    assert config.experts_mxfp4 and config.num_experts >= 16 and config.num_experts_per_token >= 2
+    assert config.num_shared_experts >= 1 and config.expert_dim < config.hidden_size
+    assert config.kda_gate_lower_bound is not None and config.kda_full_rank_output_gate
+    assert config.attn_res_block_size and config.first_k_dense_replace == 1 and config.num_nextn_predict_layers == 1
+    assert model.model.layers[1].block_sparse_moe.experts.w1_packed.dtype == torch.uint8
+    assert inspect_config(config).total_params <= 20_000_000
+    assert sum(f.stat().st_size for f in MODEL.glob("*.safetensors")) <= 16 * 10**6
+
+
+def test_greedy_generation_is_deterministic_and_matches_the_plain_computation(model):
+    llm = LLM(str(MODEL), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first, second = (llm.generate("ROMEO.\nBut soft,", params)[0] for _ in range(2))
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    expected = greedy_generate(model, [first.prompt_token_ids], max_new_tokens=24)[0]
+    assert list(first.outputs[0].token_ids) == expected
+    assert first.outputs[0].text.strip()
+
+
+@torch.no_grad()
+def test_held_out_perplexity_matches_the_card(model, windows):
+    ids, batch = packed(windows, 1)
+    logits = model.compute_logits(model(ids, batch))
+    loss = F.cross_entropy(logits, torch.cat([w[1:] for w in windows]))
+    assert math.exp(loss.item()) == pytest.approx(CARD["sample"]["perplexity"], rel=0.02)
+
+
+@torch.no_grad()
+def test_mtp_top1_accuracy_matches_the_card(model, windows):
+    ids, batch = packed(windows, 1)
+    hidden = model(ids, batch)
+    keep = torch.cat([torch.arange(len(w) - 1) < len(w) - 2 for w in windows])
+    next_ids, draft_batch = packed([w[1:] for w in windows], 1)
+    drafts = model.mtp_logits(hidden[keep], next_ids, draft_batch).argmax(-1)
+    accuracy = (drafts == torch.cat([w[2:] for w in windows])).float().mean().item()
+    assert accuracy == pytest.approx(CARD["sample"]["mtp_top1"], abs=0.02)
+
+
+@torch.no_grad()
+def test_indexer_selection_recovers_the_dense_attention_mass_the_card_states(model, windows):
+    """With dense attention, the share of each query's head-mean attention on the indexer's top-k keys."""
+    layers = [m for m in model.modules() if isinstance(m, GatedMLA) and m.indexer is not None]
+    topk = layers[0].indexer.topk
+    seen: list[tuple[list, list]] = []
+
+    def record(module, args, kwargs):
+        seen.append(([], []))
+        module.indexer.topk = 1 << 30     # dense attention
+        return args, dict(kwargs, index_scores_out=seen[-1][0], attention_out=seen[-1][1])
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    try:
+        model(*packed(windows, 1))
+    finally:
+        for layer, handle in zip(layers, handles):
+            handle.remove()
+            layer.indexer.topk = topk
+    masses = []
+    for (scores,), (attention,) in seen:
+        allowed = torch.isfinite(scores)
+        order = scores.sort(dim=-1, descending=True, stable=True).indices     # ties to the earlier key
+        chosen = torch.zeros_like(allowed).scatter_(-1, order[..., :topk], True) & allowed
+        sparse_rows = allowed.sum(-1) > topk
+        rows = attention.sum(-1)[allowed.any(-1)]
+        assert torch.allclose(rows, torch.ones_like(rows))
+        masses.append((attention * chosen).sum(-1)[sparse_rows].mean().item())
+    recovered = sum(masses) / len(masses)
+    assert recovered >= CARD["sample"]["indexer_mass"] - 1e-3
+    assert recovered > CARD["sample"]["recent_window_mass"]
+
+
+def test_kestrel_serve_without_a_model_serves_the_bundled_one():
+    """`kestrel serve` with no model argument: the bundled model, named k3.1-tiny, answering text and chat."""
+    process, url = start_kestrel_serve()
+    try:
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["k3.1-tiny"]
+        body = {"model": "k3.1-tiny", "prompt": "ROMEO.\nBut soft,", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0}
+        served = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What news from France?"}], "max_tokens": 40,
+            "temperature": 0}).json()["choices"][0]
+    finally:
+        process.terminate()
+        process.wait(30)
+    offline = LLM(str(MODEL)).generate("ROMEO.\nBut soft,", SamplingParams(temperature=0, max_tokens=12,
+                                                                          ignore_eos=True))[0].outputs[0]
+    assert served["text"] == offline.text and len(served["logprobs"]["tokens"]) == 12
+    assert chat["message"]["content"].strip() and chat["finish_reason"] in ("stop", "length")

@@ -75,9 +75,9 @@ def main() -> None:
         card.strip(),
         f"Held-out perplexity through the API (`kestrel eval perplexity`: echo with prompt logprobs, windows of "
         f"up to 2,048 tokens) on `{sample['file']}`: **{perplexity['perplexity']:.2f}** over "
-        f"{perplexity['tokens']:,} tokens. The model card measures {sample['perplexity']:.2f} with its own "
-        f"protocol (windows of {seq_len} tokens after `[BOS]`, the length it was trained on), so the two differ "
-        "by the context each token sees.",
+        f"{perplexity['tokens']:,} tokens, served in the checkpoint's bf16; the model card measures "
+        f"{sample['perplexity']:.2f} in float32 with its own protocol (windows of {seq_len} tokens after `[BOS]`), "
+        f"{100 * (perplexity['perplexity'] / sample['perplexity'] - 1):+.2f}% apart.",
         f"Rerun: `{COMMAND}`",
     ])
     write_section("card", body)

@@ -51,6 +51,10 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        return self.engine.sampling_defaults
+
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         kv, state = scheduler.kv_pool, scheduler.state_pool

@@ -18,7 +18,8 @@ from .json_mode import JsonState, JsonTokenMasks, advance
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .request import Request, Sequence, Status
-from .sampling import SampleResult, SamplingParams, SamplingRow, gather_logprobs, new_generator, raw_logprobs, sample
+from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs, model_sampling_defaults,
+                       new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -39,6 +40,7 @@ class LLMEngine:
             self.eos_token_ids = self.tokenizer.eos_token_ids
         else:
             self.eos_token_ids = [] if self.config.eos_token_id is None else [self.config.eos_token_id]
+        self.sampling_defaults = model_sampling_defaults(folder)
         dtype = self.model.lm_head.weight.dtype
         ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]

@@ -11,9 +11,11 @@ are raw: log_softmax of the model's logits before any of these steps.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +23,8 @@ GREEDY_EPS = 1e-5
 """Temperatures below this mean greedy decoding (vLLM's threshold)."""
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The sampling fields a model's generation_config.json may set as defaults (vLLM's `--generation-config auto`)."""
 
 
 def _is_int(value: object) -> bool:
@@ -34,6 +38,28 @@ def _is_real(value: object) -> bool:
 def _require(ok: bool, field: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{field} must be {allowed}, got {value!r}.")
+
+
+def model_sampling_defaults(folder: str | Path) -> dict[str, float]:
+    """{field: value} for the MODEL_DEFAULT_FIELDS that the folder's generation_config.json sets ({} without one).
+
+    Servers use them for requests that leave those fields out, as vLLM and SGLang do; explicit values win.
+    """
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object.")
+    defaults = {name: config[name] for name in MODEL_DEFAULT_FIELDS if config.get(name) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults
 
 
 @dataclass

@@ -262,7 +262,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens 0 only makes sense with echo.", "max_tokens")
     want_prompt_logprobs = body.echo and body.logprobs is not None
-    params = body.sampling_params(_max_tokens(body.max_tokens), body.logprobs,
+    params = body.sampling_params(state.engine.sampling_defaults, _max_tokens(body.max_tokens), body.logprobs,
                                   body.logprobs if want_prompt_logprobs else None)
     request_id = new_id("cmpl")
     streams = [_outputs(state, f"{request_id}-{i}", p, params, body.priority) for i, p in enumerate(prompts)]
@@ -397,7 +397,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         raise ApiError(400, "response_format json_object cannot be combined with tool calls.", "response_format")
     prompt, start, forced = _chat_prompt(state, body)
     top = body.top_logprobs or 0
-    params = body.sampling_params(_max_tokens(body.max_completion_tokens or body.max_tokens),
+    params = body.sampling_params(state.engine.sampling_defaults,
+                                  _max_tokens(body.max_completion_tokens or body.max_tokens),
                                   top if body.logprobs else None, skip_special_tokens=False,
                                   json_object=_json_mode(body))
     request_id = new_id("chatcmpl")

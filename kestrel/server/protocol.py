@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MODEL_DEFAULT_FIELDS, SamplingParams
 
 MAX_LOGPROBS = 20
 
@@ -26,8 +26,8 @@ class SamplingFields(Schema):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0)       # None: the model's default, else 1
+    top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -35,9 +35,9 @@ class SamplingFields(Schema):
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -45,11 +45,17 @@ class SamplingFields(Schema):
     include_stop_str_in_output: bool = False
     priority: int = 0
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                        skip_special_tokens: bool | None = None, json_object: bool = False) -> SamplingParams:
+    def sampling_params(self, model_defaults: dict[str, float], max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None, skip_special_tokens: bool | None = None,
+                        json_object: bool = False) -> SamplingParams:
+        """The request's SamplingParams; the MODEL_DEFAULT_FIELDS it leaves out come from model_defaults (the
+        model's generation_config.json), else from SamplingParams' own defaults."""
+        chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS}
+        unset = {name: model_defaults[name] for name, value in chosen.items()
+                 if value is None and name in model_defaults}
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            **{name: value for name, value in chosen.items() if value is not None}, **unset,
+            n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens, logprobs=logprobs,

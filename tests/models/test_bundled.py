@@ -1,5 +1,6 @@
 """The bundled model, models/k3.1-tiny: it loads through the normal loader, generates deterministically, and its
-model card's numbers (eval.json) hold when re-measured here on the held-out sample shipped beside it.
+model card's numbers (eval.json) hold when re-measured here on the held-out sample shipped beside it, and it is
+what `kestrel serve` and `kestrel generate` run when no model is named.
 
 The measurements are written out plainly from the model's forward API, independently of tools/tiny_eval.py which
 produced the card (the protocol is the same: windows of `seq_len` tokens after [BOS], fp32 weights).
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from helpers import greedy_generate
 from server_helpers import start_kestrel_serve
 from kestrel import LLM, SamplingParams
+from kestrel.cli import main
 from kestrel.config import KDA, MLA, load_config
 from kestrel.engine.tokenizer import Tokenizer
 from kestrel.layers.batch import ForwardBatch
@@ -143,3 +145,11 @@ def test_kestrel_serve_without_a_model_serves_the_bundled_one():
                                                                           ignore_eos=True))[0].outputs[0]
     assert served["text"] == offline.text and len(served["logprobs"]["tokens"]) == 12
     assert chat["message"]["content"].strip() and chat["finish_reason"] in ("stop", "length")
+
+
+def test_kestrel_generate_without_a_model_uses_the_bundled_one(capsys):
+    assert main(["generate", "--prompt", "KING.\nWhat news?", "--max-tokens", "8", "--temperature", "0",
+                 "--ignore-eos"]) == 0
+    expected = LLM(str(MODEL)).generate("KING.\nWhat news?", SamplingParams(temperature=0, max_tokens=8,
+                                                                           ignore_eos=True))[0].outputs[0].text
+    assert capsys.readouterr().out == expected + "\n"

@@ -95,12 +95,17 @@ class ForwardBatch:
 
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] -> [N, max_new, ...], zeros after each sequence's end."""
-        out = x.new_zeros(self.num_seqs, self.max_new, *x.shape[1:])
-        return out.index_put((self.seq_index, self.offsets), x)
+        out = x.new_zeros(self.num_seqs * self.max_new, *x.shape[1:]).index_copy(0, self._padded_rows(), x)
+        return out.unflatten(0, (self.num_seqs, self.max_new))
 
     def from_padded(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, max_new, ...] -> [T, ...]."""
-        return x[self.seq_index, self.offsets]
+        return x.flatten(0, 1).index_select(0, self._padded_rows())
+
+    def _padded_rows(self) -> torch.Tensor:
+        """[T] int64: each new token's row in the flattened [N * max_new] padded layout. (index_copy and
+        index_select, unlike advanced indexing, have cheap backward passes on the CPU.)"""
+        return self.seq_index * self.max_new + self.offsets
 
 
 def _kv_rows(pages: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:

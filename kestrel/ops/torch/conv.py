@@ -33,13 +33,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     seq = torch.repeat_interleave(torch.arange(n, device=x.device), lens + width - 1)
     stream_start = cu_seqlens[:-1] + torch.arange(n, device=x.device) * (width - 1)    # where each state begins
     ext = torch.arange(seq.numel(), device=x.device) - stream_start[seq]               # position after the state
-    stream = source[_source_rows(seq, ext, cu_seqlens, width, n)]
+    stream = source.index_select(0, _source_rows(seq, ext, cu_seqlens, width, n))
     out = F.conv1d(stream.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=channels)[0].t()
     is_token = ext >= width - 1
-    y = out[torch.nonzero(is_token).squeeze(1) - (width - 1)].to(x.dtype)
+    y = out.index_select(0, torch.nonzero(is_token).squeeze(1) - (width - 1)).to(x.dtype)
     tail = lens.unsqueeze(1) + torch.arange(width - 1, device=x.device)                 # [N, W-1]
     state_rows = _source_rows(torch.arange(n, device=x.device).unsqueeze(1), tail, cu_seqlens, width, n)
-    return y, source[state_rows]
+    return y, source.index_select(0, state_rows.flatten()).view(n, width - 1, channels)
 
 
 def _source_rows(seq: torch.Tensor, ext: torch.Tensor, cu_seqlens: torch.Tensor, width: int, n: int) -> torch.Tensor:

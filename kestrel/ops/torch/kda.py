@@ -88,7 +88,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
                                                                     output_chunk_states)
 
     o_c = terms.q_decayed @ chunk_start + terms.attn_qk @ new_values          # [B, H, C, V]
-    o = o_c.transpose(1, 2).reshape(-1, num_heads, value_dim)[layout.token_slot].to(v.dtype)
+    o = o_c.transpose(1, 2).reshape(-1, num_heads, value_dim).index_select(0, layout.token_slot).to(v.dtype)
     chunk_states = chunk_end[layout.full_chunks] if chunk_end is not None else None
     return o, final_sorted[layout.rank], chunk_states
 

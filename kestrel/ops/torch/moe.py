@@ -95,9 +95,11 @@ def grouped_moe(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         used, group = None, flat[order]
     counts = torch.bincount(group, minlength=experts.w1.shape[0] if used is None else len(used))
     row = torch.arange(len(order), device=z.device) - (counts.cumsum(0) - counts)[group]
-    x = z.new_zeros(len(counts), int(counts.max()), z.shape[1]).index_put((group, row), z[tokens])
+    width = int(counts.max())
+    slot = group * width + row                                   # [T * k]: each pair's row in the padded batch
+    x = z.new_zeros(len(counts) * width, z.shape[1]).index_copy(0, slot, z.index_select(0, tokens))
+    x = quantize_inputs(x.view(len(counts), width, -1))
     w1, w3, w2 = (experts.dense(name, used, z.dtype) for name in ("w1", "w3", "w2"))
-    x = quantize_inputs(x)
     h = quantize_inputs(activation(x @ w1.transpose(1, 2), x @ w3.transpose(1, 2)))
-    y = (h @ w2.transpose(1, 2))[group, row].float() * weights.flatten()[order].unsqueeze(-1)
+    y = (h @ w2.transpose(1, 2)).flatten(0, 1).index_select(0, slot).float() * weights.flatten()[order].unsqueeze(-1)
     return torch.zeros_like(z, dtype=torch.float32).index_add(0, tokens, y).to(z.dtype)

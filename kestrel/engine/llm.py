@@ -23,11 +23,18 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args))
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: vLLM's defaults, with the sampling fields the model's
+        generation_config.json sets (as vLLM's LLM does)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (batched by the engine); one finished output per prompt, in order."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _params_per_prompt(sampling_params, len(prompts))
         ids = self._add_all(prompts, params)
         done: dict[str, RequestOutput] = {}
@@ -41,7 +48,8 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding its cumulative output after every step that changed it."""
-        (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        (request_id,) = self._add_all([prompt], [params])
         try:
             while True:
                 for output in self.engine.step():
@@ -76,9 +84,9 @@ def _prompt_input(prompt: Prompt) -> str | list[int]:
     raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}.")
 
 
-def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, or one per prompt.")

@@ -1,5 +1,6 @@
 """The model's generation_config.json sets the sampling defaults of requests that leave those fields out (vLLM's
-`--generation-config auto`); explicit request values win, and a bad file is refused when the engine starts."""
+`--generation-config auto`), in the server and the offline API; explicit values win, and a bad file is refused
+when the engine starts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 
 import pytest
 
+from kestrel import LLM, SamplingParams
 from kestrel.engine.sampling import model_sampling_defaults
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest
 from server_helpers import LiveServer
@@ -57,3 +59,14 @@ def test_a_served_model_with_greedy_defaults_answers_greedily(model_folder, tmp_
         live.stop()
     assert {c["text"] for c in unspecified} == {explicit[0]["text"]}
     assert len({c["text"] for c in hot}) > 1
+
+
+def test_the_offline_api_uses_the_model_defaults_too(model_folder, tmp_path):
+    folder = tmp_path / "greedy"
+    shutil.copytree(model_folder, folder)
+    (folder / "generation_config.json").write_text('{"temperature": 0.0, "top_p": 0.5}')
+    llm = LLM(str(folder))
+    assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().top_p) == (0.0, 0.5)
+    greedy = llm.generate("to be", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    default = llm.generate({"prompt_token_ids": greedy.prompt_token_ids})[0]
+    assert default.outputs[0].token_ids[:6] == greedy.outputs[0].token_ids

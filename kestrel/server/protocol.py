@@ -50,12 +50,10 @@ class SamplingFields(Schema):
                         json_object: bool = False) -> SamplingParams:
         """The request's SamplingParams; the MODEL_DEFAULT_FIELDS it leaves out come from model_defaults (the
         model's generation_config.json), else from SamplingParams' own defaults."""
-        chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS}
-        unset = {name: model_defaults[name] for name, value in chosen.items()
-                 if value is None and name in model_defaults}
+        chosen = {name: model_defaults.get(name) if getattr(self, name) is None else getattr(self, name)
+                  for name in MODEL_DEFAULT_FIELDS}
         return SamplingParams(
-            **{name: value for name, value in chosen.items() if value is not None}, **unset,
-            n=self.n, presence_penalty=self.presence_penalty,
+            **{name: value for name, value in chosen.items() if value is not None}, n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens, logprobs=logprobs,

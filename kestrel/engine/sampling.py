@@ -11,13 +11,14 @@ are raw: log_softmax of the model's logits before any of these steps.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .tokenizer import GENERATION_CONFIG_FILE, load_json_object
 
 GREEDY_EPS = 1e-5
 """Temperatures below this mean greedy decoding (vLLM's threshold)."""
@@ -45,15 +46,8 @@ def model_sampling_defaults(folder: str | Path) -> dict[str, float]:
 
     Servers use them for requests that leave those fields out, as vLLM and SGLang do; explicit values win.
     """
-    path = Path(folder) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}).") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object.")
+    path = Path(folder) / GENERATION_CONFIG_FILE
+    config = load_json_object(path)
     defaults = {name: config[name] for name in MODEL_DEFAULT_FIELDS if config.get(name) is not None}
     try:
         SamplingParams(**defaults)

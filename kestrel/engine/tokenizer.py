@@ -51,8 +51,8 @@ class Tokenizer:
         """
         folder = Path(folder)
         backend = _load_backend(folder / TOKENIZER_FILE)
-        config = _load_json(folder / TOKENIZER_CONFIG_FILE)
-        generation = _load_json(folder / GENERATION_CONFIG_FILE)
+        config = load_json_object(folder / TOKENIZER_CONFIG_FILE)
+        generation = load_json_object(folder / GENERATION_CONFIG_FILE)
         vocab_size = 1 + max(backend.get_vocab(with_added_tokens=True).values())
 
         def config_token(key: str) -> int | None:
@@ -238,7 +238,7 @@ def _load_backend(path: Path) -> tokenizers.Tokenizer:
     return backend
 
 
-def _load_json(path: Path) -> dict[str, Any]:
+def load_json_object(path: Path) -> dict[str, Any]:
     """An optional JSON object file: {} when absent."""
     if not path.is_file():
         return {}

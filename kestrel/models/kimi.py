@@ -131,25 +131,24 @@ class KimiTextModel(nn.Module):
         outputs); `partial` is the running sum of the current block. Each sublayer reads a softmax mix of both."""
         mix = backend.get_op("attn_res_mix_norm", x.device)
 
-        def mixed(mix_norm: RMSNorm, proj: nn.Linear, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-            """The softmax mix of blocks + [partial] and its RMSNorm by next_norm (one fused op)."""
+        def mixed(mix_norm: RMSNorm, proj: nn.Linear, next_norm: RMSNorm | None) -> torch.Tensor:
+            """The softmax mix of blocks + [partial], RMSNormed by next_norm unless it is None (one fused op)."""
             return mix(torch.stack(blocks + [partial]), mix_norm.weight, proj.weight[0], mix_norm.eps,
-                       next_norm.weight, next_norm.eps)
+                       None if next_norm is None else next_norm.weight, 0.0 if next_norm is None else next_norm.eps)
 
         blocks: list[torch.Tensor] = []
         partial = x
         for i, layer in enumerate(self.decoder_layers):
             if blocks:
-                _, h = mixed(layer.self_attention_res_norm, layer.self_attention_res_proj, layer.input_layernorm)
+                h = mixed(layer.self_attention_res_norm, layer.self_attention_res_proj, layer.input_layernorm)
             else:
                 h = layer.input_layernorm(partial)
             if i % self.config.attn_res_block_size == 0:
                 blocks.append(partial)
                 partial = torch.zeros_like(partial)
             partial = partial + layer.self_attn(h, batch, cache)
-            _, m = mixed(layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
-            partial = partial + layer.ffn(m)
-        return mixed(self.output_attn_res_norm, self.output_attn_res_proj, self.norm)[0]
+            partial = partial + layer.ffn(mixed(layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm))
+        return mixed(self.output_attn_res_norm, self.output_attn_res_proj, None)   # normed per row by compute_logits
 
 
 class KimiForCausalLM(nn.Module):

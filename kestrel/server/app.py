@@ -8,6 +8,7 @@ body (naming the field) or a prompt past the context, 401 for a missing or wrong
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -251,6 +252,24 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _event_stream(chunks: AsyncIterator[str], timer: RequestTimer) -> StreamingResponse:
+    """A streamed response: the SSE chunks, then [DONE]. An ApiError mid-stream becomes an error event; errors and
+    aborts are recorded on the timer here, success by `chunks` itself (it knows the token counts)."""
+    async def events() -> AsyncIterator[str]:
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except ApiError as e:
+                timer.done("error", 0)
+                yield _stream_error(e)
+            except asyncio.CancelledError:
+                timer.done("abort", 0)
+                raise
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def _stream_error(error: ApiError) -> str:
     return _sse({"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}})
 
@@ -288,37 +307,29 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
                 "logprobs": logprobs, "finish_reason": _finish(c.finish_reason, generated)}
 
     if body.stream:
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[str]:
             sent = {}
             finals: dict[int, RequestOutput] = {}
-            try:
-                async for i, output in _merged(streams):
-                    chunk_choices = []
-                    for j, c in enumerate(output.outputs):
-                        text_from, tokens_from = sent.get((i, j), (0, 0))
-                        first = (i, j) not in sent
-                        if len(c.token_ids) == tokens_from and not c.finish_reason and not (body.echo and first):
-                            continue
-                        chunk_choices.append(choice(i, output, j, text_from, tokens_from, body.echo and first))
-                        sent[(i, j)] = (len(c.text), len(c.token_ids))
-                    finals[i] = output
-                    timer.tokens_seen(sum(completion_tokens(o) for o in finals.values()))
-                    if chunk_choices:
-                        yield _sse({"id": request_id, "object": "text_completion", "created": now(),
-                                    "model": state.model_name, "choices": chunk_choices})
-                if body.stream_options and body.stream_options.include_usage:
+            async for i, output in _merged(streams):
+                chunk_choices = []
+                for j, c in enumerate(output.outputs):
+                    text_from, tokens_from = sent.get((i, j), (0, 0))
+                    first = (i, j) not in sent
+                    if len(c.token_ids) == tokens_from and not c.finish_reason and not (body.echo and first):
+                        continue
+                    chunk_choices.append(choice(i, output, j, text_from, tokens_from, body.echo and first))
+                    sent[(i, j)] = (len(c.text), len(c.token_ids))
+                finals[i] = output
+                timer.tokens_seen(sum(completion_tokens(o) for o in finals.values()))
+                if chunk_choices:
                     yield _sse({"id": request_id, "object": "text_completion", "created": now(),
-                                "model": state.model_name, "choices": [],
-                                "usage": _usage(finals.values(), generated)})
-                timer.done("success", sum(len(o.prompt_token_ids) for o in finals.values()))
-            except ApiError as e:
-                timer.done("error", 0)
-                yield _stream_error(e)
-            except asyncio.CancelledError:
-                timer.done("abort", 0)
-                raise
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+                                "model": state.model_name, "choices": chunk_choices})
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({"id": request_id, "object": "text_completion", "created": now(),
+                            "model": state.model_name, "choices": [],
+                            "usage": _usage(finals.values(), generated)})
+            timer.done("success", sum(len(o.prompt_token_ids) for o in finals.values()))
+        return _event_stream(chunks(), timer)
 
     finals = await _collect(state, streams, request, timer)
     choices = [choice(i, finals[i], j, 0, 0, body.echo) for i in range(len(prompts))
@@ -408,42 +419,34 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     timer = RequestTimer(state.metrics)
 
     if body.stream:
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[str]:
             sent: dict[int, tuple[int, int]] = {}
             final: RequestOutput | None = None
-            try:
-                async for _, output in _merged([stream]):
-                    final = output
-                    timer.tokens_seen(completion_tokens(output))
-                    for j, c in enumerate(output.outputs):
-                        text_from, tokens_from = sent.get(j, (0, 0))
-                        delta = parsers[j].feed(c.text[text_from:])
-                        if c.finish_reason is not None:
-                            tail = parsers[j].finish()
-                            delta = ReplyDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
-                                               delta.tool_calls + tail.tool_calls)
-                        first = j not in sent
-                        sent[j] = (len(c.text), len(c.token_ids))
-                        if not (delta or first or c.finish_reason):
-                            continue
-                        logprobs = (chat_logprobs(tokenizer, c.token_ids[tokens_from:],
-                                                  (c.logprobs or [])[tokens_from:], top) if body.logprobs else None)
-                        yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": now(),
-                                    "model": state.model_name, "choices": [{
-                                        "index": j, "delta": chat_delta(delta, first), "logprobs": logprobs,
-                                        "finish_reason": chat_finish_reason(c, parsers[j].calls)}]})
-                if body.stream_options and body.stream_options.include_usage and final is not None:
+            async for _, output in _merged([stream]):
+                final = output
+                timer.tokens_seen(completion_tokens(output))
+                for j, c in enumerate(output.outputs):
+                    text_from, tokens_from = sent.get(j, (0, 0))
+                    delta = parsers[j].feed(c.text[text_from:])
+                    if c.finish_reason is not None:
+                        tail = parsers[j].finish()
+                        delta = ReplyDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
+                                           delta.tool_calls + tail.tool_calls)
+                    first = j not in sent
+                    sent[j] = (len(c.text), len(c.token_ids))
+                    if not (delta or first or c.finish_reason):
+                        continue
+                    logprobs = (chat_logprobs(tokenizer, c.token_ids[tokens_from:],
+                                              (c.logprobs or [])[tokens_from:], top) if body.logprobs else None)
                     yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": now(),
-                                "model": state.model_name, "choices": [], "usage": _usage([final], True)})
-                timer.done("success", len(final.prompt_token_ids) if final else 0)
-            except ApiError as e:
-                timer.done("error", 0)
-                yield _stream_error(e)
-            except asyncio.CancelledError:
-                timer.done("abort", 0)
-                raise
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+                                "model": state.model_name, "choices": [{
+                                    "index": j, "delta": chat_delta(delta, first), "logprobs": logprobs,
+                                    "finish_reason": chat_finish_reason(c, parsers[j].calls)}]})
+            if body.stream_options and body.stream_options.include_usage and final is not None:
+                yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": now(),
+                            "model": state.model_name, "choices": [], "usage": _usage([final], True)})
+            timer.done("success", len(final.prompt_token_ids) if final else 0)
+        return _event_stream(chunks(), timer)
 
     final = (await _collect(state, [stream], request, timer))[0]
     choices = []

@@ -1,7 +1,7 @@
 """AttnRes depth mix followed by the RMSNorm of the sublayer that reads it (model-spec section 3).
 
-What the decoder runs before every sublayer of a K3-family model (and at the output, where the mix itself is the
-hidden state): the mix, then the next sublayer's input RMSNorm. The Triton kernel fuses both.
+What the decoder runs before every sublayer of a K3-family model: the mix, then the sublayer's input RMSNorm (the
+Triton kernel fuses both); at the output, where the mix itself is the hidden state, the mix alone.
 """
 
 from __future__ import annotations
@@ -10,19 +10,20 @@ import torch
 
 
 def attn_res_mix_norm(sources: torch.Tensor, mix_norm_weight: torch.Tensor, proj_weight: torch.Tensor,
-                      mix_eps: float, norm_weight: torch.Tensor, norm_eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mix the residual snapshots by a softmax over depth, then RMSNorm the mix.
+                      mix_eps: float, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
+    """Mix the residual snapshots by a softmax over depth, then RMSNorm the mix (when norm_weight is given).
 
     sources: [S, T, D] (the stored blocks, then the running partial sum); mix_norm_weight, proj_weight: [D], the
-    mix's RMSNorm weight and its Linear(D, 1) weight; norm_weight: [D], the following RMSNorm's weight.
+    mix's RMSNorm weight and its Linear(D, 1) weight; norm_weight: [D], the following RMSNorm's weight, or None.
     Logit of source i: <RMSNorm(v_i) * mix_norm_weight, proj_weight>; mixed = sum_i softmax_i v_i, in fp32.
-    Returns (mixed, RMSNorm(mixed) * norm_weight), both [T, D] in the sources' dtype.
+    Returns RMSNorm(mixed) * norm_weight, or mixed when norm_weight is None: [T, D] in the sources' dtype (the
+    mix is rounded to that dtype before the norm).
     """
     v = sources.float()
     inv_rms = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + mix_eps)
     probs = torch.softmax((v * inv_rms) @ (mix_norm_weight.float() * proj_weight.float()), dim=0)   # [S, T]
     mixed = (probs.unsqueeze(-1) * v).sum(0).to(sources.dtype)
+    if norm_weight is None:
+        return mixed
     m = mixed.float()
-    normed = m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
-    return mixed, normed.to(sources.dtype)
+    return (m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()).to(sources.dtype)

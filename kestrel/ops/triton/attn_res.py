@@ -1,4 +1,4 @@
-"""AttnRes depth mix fused with the following RMSNorm: one program per token, one pass over the sources.
+"""AttnRes depth mix fused with the following RMSNorm: one program per token, one pass over the sources, one output.
 
 Matches `kestrel.ops.torch.attn_res.attn_res_mix_norm` (same signature). Each source row is read once; its logit
 and an online softmax over depth update the running mix, which is then rounded to the sources' dtype (as the
@@ -13,8 +13,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _mix_norm_kernel(sources, mix_norm_weight, proj_weight, norm_weight, mixed, normed, num_sources, num_tokens,
-                     mix_eps, norm_eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mix_norm_kernel(sources, mix_norm_weight, proj_weight, norm_weight, out, num_sources, num_tokens,
+                     mix_eps, norm_eps, D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -32,26 +32,24 @@ def _mix_norm_kernel(sources, mix_norm_weight, proj_weight, norm_weight, mixed, 
         total = total * rescale + weight
         acc = acc * rescale + weight * v
         running_max = new_max
-    mix = (acc / total).to(mixed.dtype.element_ty)
-    tl.store(mixed + t * D + d, mix, mask=d_ok)
-    m = mix.to(tl.float32)
-    weight = tl.load(norm_weight + d, mask=d_ok, other=0.0).to(tl.float32)
-    y = m * tl.rsqrt(tl.sum(m * m, axis=0) / D + norm_eps) * weight
-    tl.store(normed + t * D + d, y.to(normed.dtype.element_ty), mask=d_ok)
+    mix = (acc / total).to(out.dtype.element_ty)
+    if NORM:
+        m = mix.to(tl.float32)
+        weight = tl.load(norm_weight + d, mask=d_ok, other=0.0).to(tl.float32)
+        mix = (m * tl.rsqrt(tl.sum(m * m, axis=0) / D + norm_eps) * weight).to(out.dtype.element_ty)
+    tl.store(out + t * D + d, mix, mask=d_ok)
 
 
 def attn_res_mix_norm(sources: torch.Tensor, mix_norm_weight: torch.Tensor, proj_weight: torch.Tensor,
-                      mix_eps: float, norm_weight: torch.Tensor, norm_eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      mix_eps: float, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
     """Triton version of `kestrel.ops.torch.attn_res.attn_res_mix_norm` (see there for shapes and semantics)."""
     num_sources, num_tokens, dim = sources.shape
-    mixed = torch.empty(num_tokens, dim, dtype=sources.dtype, device=sources.device)
-    normed = torch.empty_like(mixed)
+    out = torch.empty(num_tokens, dim, dtype=sources.dtype, device=sources.device)
     if num_tokens == 0:
-        return mixed, normed
+        return out
     block_d = triton.next_power_of_2(dim)
     _mix_norm_kernel[(num_tokens,)](
-        sources.contiguous(), mix_norm_weight, proj_weight.reshape(-1), norm_weight, mixed, normed,
-        num_sources, num_tokens, mix_eps, norm_eps, D=dim, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else 4)
-    return mixed, normed
+        sources.contiguous(), mix_norm_weight, proj_weight.reshape(-1),
+        mix_norm_weight if norm_weight is None else norm_weight, out, num_sources, num_tokens, mix_eps, norm_eps,
+        D=dim, BLOCK_D=block_d, NORM=norm_weight is not None, num_warps=8 if block_d >= 4096 else 4)
+    return out

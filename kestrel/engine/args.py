@@ -13,7 +13,6 @@ from ..ops.backend import CHOICES, FAMILIES, set_backend
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
-BACKENDS = CHOICES
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
 """The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 
@@ -65,8 +64,8 @@ class EngineArgs:
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
         ]
-        checks += [(getattr(self, f"{family}_backend") in BACKENDS, f"{family}_backend",
-                    f"one of {', '.join(BACKENDS)}") for family in FAMILIES]
+        checks += [(getattr(self, f"{family}_backend") in CHOICES, f"{family}_backend",
+                    f"one of {', '.join(CHOICES)}") for family in FAMILIES]
         for ok, name, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")

@@ -45,6 +45,8 @@ class EngineArgs:
     moe_backend: str = "auto"                    # routed experts
     kda_backend: str = "auto"                    # KDA decode and prefill over the state pool
     norm_backend: str = "auto"                   # AttnRes mix + RMSNorm
+    disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
+    cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +65,7 @@ class EngineArgs:
             (self.context_length is None or self.context_length >= 1, "context_length", "at least 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
+            (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),
         ]
         checks += [(getattr(self, f"{family}_backend") in CHOICES, f"{family}_backend",
                     f"one of {', '.join(CHOICES)}") for family in FAMILIES]
@@ -76,7 +79,9 @@ class EngineArgs:
         for f in fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
             kind = {"int | None": int, "float | None": float, "int": int, "float": float}.get(str(f.type), str)
-            if f.name == "model":
+            if f.type == "bool":
+                parser.add_argument(flag, action="store_true")
+            elif f.name == "model":
                 parser.add_argument(flag, default=str(BUNDLED_MODEL), help="model folder (default: the bundled "
                                                                             "k3.1-tiny)")
             else:

@@ -14,6 +14,7 @@ from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.kv_pool import KVPool
 from .cache.planner import device_memory, plan_memory
 from .cache.state_pool import StatePool
+from .decode_graphs import DecodeGraphs, graphs_supported
 from .json_mode import JsonState, JsonTokenMasks, advance
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
@@ -48,11 +49,21 @@ class LLMEngine:
         self.plan = plan_memory(self.config, args, sum(weights.values()), device_memory(device), dtype, ssm_dtype,
                                 kv_dtype)
         log.info(self.plan.describe())
-        self.cache = HybridCache.allocate(self.config, self.plan.num_slots, self.plan.num_pages, self.plan.page_size,
-                                          dtype, ssm_dtype, kv_dtype, device)
+        graphs = not args.disable_cuda_graph and graphs_supported(device)
+        scratch = 1 if graphs else 0          # a state slot and a page for the padding rows of graph batches
+        self.cache = HybridCache.allocate(self.config, self.plan.num_slots + scratch, self.plan.num_pages + scratch,
+                                          self.plan.page_size, dtype, ssm_dtype, kv_dtype, device)
         self.scheduler = Scheduler(StatePool(self.cache, self.plan.num_slots), KVPool(self.cache, self.plan.num_pages),
                                    self.plan.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.cache)
+        decode_graphs = None
+        if graphs:
+            max_pages = -(-self.plan.context_length // self.plan.page_size)
+            decode_graphs = DecodeGraphs(self.model, self.cache,
+                                         min(args.cuda_graph_max_bs, self.plan.max_running_requests), max_pages,
+                                         scratch_slot=self.plan.num_slots, scratch_page=self.plan.num_pages)
+            log.info("decode: CUDA graphs for batches of up to %d sequences, captured on first use",
+                     decode_graphs.max_batch_size)
+        self.runner = ModelRunner(self.model, self.cache, decode_graphs)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._json_masks: JsonTokenMasks | None = None

@@ -7,21 +7,32 @@ import torch
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
+from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    """Builds the ForwardBatch (token ids, prefix lengths, state slots, page-table rows) and runs the model."""
+    """Builds the ForwardBatch (token ids, prefix lengths, state slots, page-table rows) and runs the model.
 
-    def __init__(self, model: KimiForCausalLM, cache: HybridCache):
+    With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead.
+    """
+
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
         self.device = model.lm_head.weight.device
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], all_rows: set[int]) -> list[torch.Tensor | None]:
         """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
         every position), [1, vocab] at the last token for chunks that sample, None for the rest."""
+        graphs = self.decode_graphs
+        if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)
+                and graphs.fits(len(chunks), max(len(c.seq.pages) for c in chunks))):
+            logits = graphs.run([c.seq.tokens(c.start, c.start + 1)[0] for c in chunks], [c.start for c in chunks],
+                                [c.seq.slot for c in chunks], [c.seq.pages for c in chunks])
+            return [logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
         lens = [c.length for c in chunks]
         width = max(len(c.seq.pages) for c in chunks)
         table = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]

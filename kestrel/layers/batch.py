@@ -76,6 +76,32 @@ class ForwardBatch:
             max_total=max_total,
         )
 
+    @classmethod
+    def for_decode(cls, prefix_lens: torch.Tensor, state_slots: torch.Tensor, page_table: torch.Tensor,
+                   page_size: int) -> ForwardBatch:
+        """One new token per sequence, from device tensors with no host synchronisation (so a CUDA graph can
+        capture it): prefix_lens [N], state_slots [N], page_table [N, W] int64.
+
+        max_total is the table's capacity, W * page_size, an upper bound on every sequence's length; ops sized by
+        it (the paged indexer's scores) mask the positions past each sequence's end. kv_read_index is left out:
+        decode reads the pages directly.
+        """
+        n, device = prefix_lens.numel(), prefix_lens.device
+        seq_index = torch.arange(n, device=device)
+        return cls(
+            cu_seqlens=torch.arange(n + 1, device=device),
+            prefix_lens=prefix_lens,
+            positions=prefix_lens,
+            seq_index=seq_index,
+            offsets=torch.zeros(n, dtype=torch.long, device=device),
+            state_slots=state_slots,
+            page_table=page_table,
+            kv_write_index=_kv_rows(page_table, seq_index, prefix_lens, page_size),
+            kv_read_index=None,
+            max_new=1,
+            max_total=page_table.shape[1] * page_size,
+        )
+
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1

@@ -1,0 +1,170 @@
+"""CUDA-graph decode (kestrel.engine.decode_graphs) on the CPU: the padded static step that a graph captures against
+the dynamic decode step, its freedom from host synchronisation (what capture needs), and the engine's greedy tokens
+with it. Off CUDA each replay runs the captured step eagerly, so everything but the capture itself is exercised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import tiny_model
+from kestrel import LLM, SamplingParams
+from kestrel.engine import engine as engine_module
+from kestrel.engine.args import EngineArgs
+from kestrel.engine.decode_graphs import DecodeGraphs, batch_sizes
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.cache import HybridCache
+from kestrel.ops import backend
+
+PAGE = 4
+SLOTS, PAGES = 5, 24                 # the last of each is the scratch slot and page
+PROMPTS = [[5, 9, 14, 3, 77, 2], [8], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+SEQ_SLOTS = [3, 0, 2]                # out of order, slot 1 unused
+SEQ_PAGES = [[10, 3, 15, 1, 8], [5, 12, 0, 20, 9], [14, 6, 19, 2, 17]]
+STEPS = [3, 8, 8]                    # decode steps per sequence: the batch shrinks from 3 to 2 sequences
+
+
+class HostSyncDetector(TorchDispatchMode):
+    """Records the ops a CUDA graph cannot capture faithfully: reads of device values on the host, outputs whose
+    shape depends on values, and host data copied in (which a graph would freeze at its captured value)."""
+
+    SYNCING = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
+               "aten.unique_consecutive", "aten._unique2", "aten.unique_dim", "aten.lift_fresh", "aten.to.device"}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        kwargs = kwargs or {}
+        if name in self.SYNCING or (name == "aten.repeat_interleave" and kwargs.get("output_size") is None
+                                    and isinstance(args[0], torch.Tensor) and len(args) < 3):
+            self.found.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def restore_backends():
+    yield
+    backend.set_backend(None)
+
+
+def prefilled_cache(model) -> HybridCache:
+    """A zeroed cache holding PROMPTS, prefilled by the dynamic path into SEQ_SLOTS and SEQ_PAGES."""
+    cache = HybridCache.allocate(model.config, SLOTS, PAGES, PAGE, dtype=torch.float32)
+    for state in cache.kda:
+        state.conv.zero_()
+        state.recurrent.zero_()
+    for pages in cache.mla:
+        for rows in (pages.latent, pages.index_keys):
+            if rows is not None:
+                rows.values.zero_()
+    batch = ForwardBatch.build([len(p) for p in PROMPTS], None, SEQ_SLOTS, SEQ_PAGES, PAGE)
+    model(torch.tensor([t for p in PROMPTS for t in p]), batch, cache)
+    return cache
+
+
+def cache_tensors(cache: HybridCache) -> list[torch.Tensor]:
+    """Every stored tensor, the scratch slot and scratch page left out."""
+    out = [t[:SLOTS - 1] for state in cache.kda for t in (state.conv, state.recurrent)]
+    for pages in cache.mla:
+        out += [rows.values[:(PAGES - 1) * PAGE] for rows in (pages.latent, pages.index_keys) if rows is not None]
+    return out
+
+
+@pytest.mark.parametrize("preset,ops", [("k3.1-tiny", "torch"), ("kimi-linear-tiny", "torch"),
+                                        ("k3.1-tiny", "triton")])
+@torch.inference_mode()
+def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
+    """Padding (3 sequences in a graph of 4, then 2), slots and pages out of order, the page-table width bucket
+    growing with the context: the same logits as dynamic steps, and the same cache contents outside scratch."""
+    backend.set_backend(ops)
+    model, _ = tiny_model(preset)
+    dynamic_cache = prefilled_cache(model)
+    static_cache = prefilled_cache(model)
+    graphs = DecodeGraphs(model, static_cache, max_batch_size=8, max_pages=8, scratch_slot=SLOTS - 1,
+                          scratch_page=PAGES - 1)
+    lengths = [len(p) for p in PROMPTS]
+    tokens = [p[-1] for p in PROMPTS]
+    expected_keys = set()
+    for step in range(max(STEPS)):
+        live = [i for i in range(len(PROMPTS)) if step < STEPS[i]]
+        prefix = [lengths[i] for i in live]
+        rows = [SEQ_PAGES[i][:prefix[j] // PAGE + 1] for j, i in enumerate(live)]
+        width = max(map(len, rows))
+        batch = ForwardBatch.build([1] * len(live), prefix, [SEQ_SLOTS[i] for i in live],
+                                   [r + [0] * (width - len(r)) for r in rows], PAGE)
+        ids = [tokens[i] for i in live]
+        expected = model.compute_logits(model(torch.tensor(ids), batch, dynamic_cache))
+        got = graphs.run(ids, prefix, [SEQ_SLOTS[i] for i in live], rows)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        expected_keys.add((next(b for b in (1, 2, 4, 8) if b >= len(live)), 1 << (width - 1).bit_length()))
+        for j, i in enumerate(live):
+            tokens[i] = int(expected[j].argmax())
+            lengths[i] += 1
+    assert set(graphs.steps) == expected_keys and len(expected_keys) >= 3
+    for got, expected in zip(cache_tensors(static_cache), cache_tensors(dynamic_cache), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ops,syncs", [("triton", False), ("torch", True)])
+@torch.inference_mode()
+def test_the_captured_step_never_waits_on_the_device(ops, syncs, restore_backends):
+    """What capture needs, checked on the step a graph records: on the Triton ops no op reads device values on
+    the host, sizes an output by them, or copies host data in; the torch references do (the detector's control)."""
+    backend.set_backend(ops)
+    model, _ = tiny_model("k3.1-tiny")
+    cache = prefilled_cache(model)
+    graphs = DecodeGraphs(model, cache, max_batch_size=4, max_pages=8, scratch_slot=SLOTS - 1, scratch_page=PAGES - 1)
+    graphs.run([1, 2, 3], [6, 1, 9], SEQ_SLOTS, [r[:3] for r in SEQ_PAGES])
+    detector = HostSyncDetector()
+    with detector:
+        graphs.steps[(4, 4)]()
+    assert bool(detector.found) == syncs, detector.found
+
+
+def test_batch_sizes_cover_every_batch_up_to_the_largest():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(3) == [1, 2, 3]
+    assert batch_sizes(12) == [1, 2, 4, 8, 12]
+    sizes = batch_sizes(128)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 128 and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+
+
+def test_engine_tokens_are_the_same_with_graph_replays(model_dir, monkeypatch):
+    """Six greedy requests of different lengths, then one short one alone, through the engine with decode steps
+    replayed from graphs (of at most 4 sequences: bigger batches run eagerly) and through the engine without."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (1, 5, 17, 9, 30, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 14, 9, 20, 6, 11)]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    lone = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+
+    def generate(llm: LLM) -> list[list[int]]:
+        outputs = llm.generate(requests, params) + llm.generate([{"prompt_token_ids": [11]}], lone)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    plain = LLM(str(model_dir), page_size=4)
+    expected = generate(plain)
+    assert plain.engine.runner.decode_graphs is None                  # no CUDA here
+    monkeypatch.setattr(engine_module, "graphs_supported", lambda device: True)
+    llm = LLM(str(model_dir), page_size=4, cuda_graph_max_bs=4)
+    graphs = llm.engine.runner.decode_graphs
+    assert generate(llm) == expected
+    assert {size for size, _ in graphs.steps} == {1, 2, 4} and {1, 2, 8} <= {width for _, width in graphs.steps}
+    pools = llm.engine.scheduler
+    assert graphs.scratch_slot == pools.state_pool.num_slots and graphs.scratch_page == pools.kv_pool.num_pages
+    assert pools.state_pool.num_free == pools.state_pool.num_slots and pools.kv_pool.num_free == pools.kv_pool.num_pages
+
+
+def test_cuda_graph_flags():
+    import argparse
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli(parser.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "32"]))
+    assert args.disable_cuda_graph and args.cuda_graph_max_bs == 32
+    assert not EngineArgs.from_cli(parser.parse_args([])).disable_cuda_graph
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be at least 1"):
+        EngineArgs(model="m", cuda_graph_max_bs=0)

@@ -1,10 +1,11 @@
 """End-to-end decode and prefill of a Kimi-Linear-48B-shaped model (random bf16 weights) on one GPU.
 
 Decode is timed at several batch sizes over a context already in the cache (its pages and state slots are filled
-with random values rather than prefilled, which would take longer than the whole benchmark), and compared with
-the bandwidth bound: the HBM bandwidth over the bytes one step must move (every weight but the routed experts,
-the experts the step's tokens are routed to, the latent KV read, the KDA states read and written). The step runs
-whatever backend the layers use; which one ran is read from the kernel names of a profiled step.
+with random values rather than prefilled, which would take longer than the whole benchmark), eagerly and replayed
+from CUDA graphs as the engine runs it (kestrel.engine.decode_graphs), and compared with the bandwidth bound: the
+HBM bandwidth over the bytes one step must move (every weight but the routed experts, the experts the step's
+tokens are routed to, the latent KV read, the KDA states read and written). The step runs whatever backend the
+layers use; which one ran is read from the kernel names of a profiled eager step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from kestrel.config import ModelConfig, load_config
+from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.layers.moe import RoutedExperts, Router
@@ -122,31 +124,44 @@ def backends_used(step) -> dict[str, str]:
     return families
 
 
-def decode_batch(model: KimiForCausalLM, cache: HybridCache, batch_size: int, bandwidth_gbps: float,
-                 page_table: torch.Tensor) -> dict[str, Any]:
-    """Median step time of batch_size sequences decoding at CONTEXT, and the fraction of the bandwidth bound."""
-    config = model.config
-    times, counter = [], ExpertCounter(model)
-    for step in range(WARMUP_STEPS + DECODE_STEPS):
-        batch = ForwardBatch.build([1] * batch_size, [CONTEXT + step] * batch_size, list(range(batch_size)),
-                                   page_table[:batch_size], PAGE_SIZE, "cuda")
-        ids = torch.randint(config.vocab_size, (batch_size,), device="cuda")
-        counter.used = 0
+def median_step_seconds(step) -> float:
+    """Median wall time of step(i) over DECODE_STEPS calls, after WARMUP_STEPS (i counts every call)."""
+    times = []
+    for i in range(WARMUP_STEPS + DECODE_STEPS):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model.compute_logits(model(ids, batch, cache))
+        step(i)
         torch.cuda.synchronize()
-        if step >= WARMUP_STEPS:
+        if i >= WARMUP_STEPS:
             times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_batch(model: KimiForCausalLM, cache: HybridCache, graphs: DecodeGraphs, batch_size: int,
+                 bandwidth_gbps: float, page_table: torch.Tensor) -> dict[str, Any]:
+    """Median step time of batch_size sequences decoding at CONTEXT, eagerly and from a CUDA graph (the first
+    warm-up step captures it), and the fraction of the bandwidth bound each reaches."""
+    config = model.config
+    slots, rows = list(range(batch_size)), page_table[:batch_size]
+    counter = ExpertCounter(model)
+
+    def eager(i: int) -> None:
+        batch = ForwardBatch.build([1] * batch_size, [CONTEXT + i] * batch_size, slots, rows, PAGE_SIZE, "cuda")
+        counter.used = 0
+        model.compute_logits(model(torch.randint(config.vocab_size, (batch_size,), device="cuda"), batch, cache))
+
+    eager_s = median_step_seconds(eager)
     counter.close()
-    seconds = statistics.median(times)
+    ids, table = torch.randint(config.vocab_size, (batch_size,)).tolist(), rows.tolist()
+    graph_s = median_step_seconds(lambda i: graphs.run(ids, [CONTEXT + i] * batch_size, slots, table))
     moved = step_bytes(model, config, batch_size, CONTEXT, counter.used, cache.mla[0].latent.values.element_size())
     bound = moved["total"] / (bandwidth_gbps * 1e9)
-    return dict(batch=batch_size, context=CONTEXT, step_ms=round(seconds * 1e3, 2),
-                tokens_per_s=round(batch_size / seconds), bytes_per_step_gb=round(moved["total"] / 1e9, 3),
-                weights_gb=round(moved["weights"] / 1e9, 3), kv_gb=round(moved["kv"] / 1e9, 3),
-                state_gb=round(moved["state"] / 1e9, 3), bound_ms=round(bound * 1e3, 3),
-                fraction_of_bound=round(bound / seconds, 3))
+    return dict(batch=batch_size, context=CONTEXT, eager_step_ms=round(eager_s * 1e3, 2),
+                step_ms=round(graph_s * 1e3, 2), tokens_per_s=round(batch_size / graph_s),
+                bytes_per_step_gb=round(moved["total"] / 1e9, 3), weights_gb=round(moved["weights"] / 1e9, 3),
+                kv_gb=round(moved["kv"] / 1e9, 3), state_gb=round(moved["state"] / 1e9, 3),
+                bound_ms=round(bound * 1e3, 3), eager_fraction_of_bound=round(bound / eager_s, 3),
+                fraction_of_bound=round(bound / graph_s, 3))
 
 
 def prefill(model: KimiForCausalLM, cache: HybridCache, page_table: torch.Tensor) -> dict[str, Any]:
@@ -175,14 +190,15 @@ def run_model(bandwidth_gbps: float) -> dict[str, Any]:
     model = build_model(config, torch.bfloat16, "cuda").eval()
     fill_random(model)
     pages_per_seq = math.ceil((CONTEXT + WARMUP_STEPS + DECODE_STEPS + 1) / PAGE_SIZE)
-    slots = max(BATCHES)
-    cache = HybridCache.allocate(config, num_slots=slots, num_pages=slots * pages_per_seq, page_size=PAGE_SIZE,
-                                 dtype=torch.bfloat16, device="cuda")
+    slots, pages = max(BATCHES), max(BATCHES) * pages_per_seq
+    cache = HybridCache.allocate(config, num_slots=slots + 1, num_pages=pages + 1, page_size=PAGE_SIZE,
+                                 dtype=torch.bfloat16, device="cuda")              # the last: graph padding's
     fill_cache(cache)
-    page_table = torch.arange(slots * pages_per_seq, device="cuda").view(slots, pages_per_seq)
+    page_table = torch.arange(pages, device="cuda").view(slots, pages_per_seq)
+    graphs = DecodeGraphs(model, cache, max(BATCHES), pages_per_seq, scratch_slot=slots, scratch_page=pages)
     one_step = ForwardBatch.build([1], [CONTEXT], [0], page_table[:1], PAGE_SIZE, "cuda")
     backends = backends_used(lambda: model(torch.zeros(1, dtype=torch.long, device="cuda"), one_step, cache))
-    decode = [decode_batch(model, cache, b, bandwidth_gbps, page_table) for b in BATCHES]
+    decode = [decode_batch(model, cache, graphs, b, bandwidth_gbps, page_table) for b in BATCHES]
     return dict(model=MODEL, parameters_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
                 backends=backends, decode=decode, prefill=prefill(model, cache, page_table),
                 peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1))

@@ -2,10 +2,11 @@
 its torch reference, KDA prefill against fla's chunk_kda (when fla imports), and end-to-end decode and prefill of a
 Kimi-Linear-48B-shaped model with the fraction of the bandwidth bound reached.
 
-Writes $OUT/gpu-results.json (every number, the device, the software, any section's error) and
-$OUT/gpu-results.md (the tables, ready for docs/benchmarks.md); OUT defaults to ./gpu-results. Both are rewritten
-after every section, so a run cut short keeps what it measured. A failing case is recorded and the run goes on;
-sections that would start past their time budget are recorded as skipped.
+Writes $OUT/gpu-results.json (every number, the device, the software, any section's error), $OUT/gpu-results.md
+(the tables, ready for docs/benchmarks.md) and, once decode was measured, an evidence record under $OUT/evidence/
+(copy it to evidence/ to put it in the cookbook's matrix); OUT defaults to ./gpu-results. The first two are
+rewritten after every section, so a run cut short keeps what it measured. A failing case is recorded and the run
+goes on; sections that would start past their time budget are recorded as skipped.
 
 Run from the repository root: python3 benchmarks/gpu/run.py
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.gpu import kernels, model  # noqa: E402
 from benchmarks.gpu.timing import copy_bandwidth_gbps  # noqa: E402
 from benchmarks.report import markdown_table  # noqa: E402
+from kestrel.cookbook.evidence import Record, fingerprint, git_state, now, software_versions, write_record  # noqa: E402
 
 START = time.monotonic()
 KERNELS_UNTIL_S = 210
@@ -125,12 +127,33 @@ def markdown(results: dict[str, Any]) -> str:
         return "\n".join(lines + [f"- {e2e.get('skipped') or e2e.get('error')}"])
     lines += [f"Backends that ran: {', '.join(f'{k} {v}' for k, v in e2e['backends'].items())}; "
               f"{e2e['parameters_b']}B parameters; peak memory {e2e['peak_memory_gb']} GB.", "", markdown_table(
-                  ["batch", "context", "ms / step", "tokens / s", "GB moved / step", "bound ms", "fraction of bound"],
-                  [[d["batch"], d["context"], d["step_ms"], d["tokens_per_s"], d["bytes_per_step_gb"], d["bound_ms"],
-                    d["fraction_of_bound"]] for d in e2e["decode"]]), ""]
+                  ["batch", "context", "eager ms / step", "graph ms / step", "tokens / s (graph)", "GB moved / step",
+                   "bound ms", "fraction of bound (eager)", "fraction of bound (graph)"],
+                  [[d["batch"], d["context"], d["eager_step_ms"], d["step_ms"], d["tokens_per_s"],
+                    d["bytes_per_step_gb"], d["bound_ms"], d["eager_fraction_of_bound"], d["fraction_of_bound"]]
+                   for d in e2e["decode"]]), ""]
     p = e2e["prefill"]
     lines += [f"Prefill: {p['sequences']} x {p['length']} tokens in {p['ms']} ms, {p['tokens_per_s']} tokens/s."]
     return "\n".join(lines)
+
+
+def evidence_record(e2e: dict[str, Any]) -> Record:
+    """The end-to-end section as an evidence record of the Kimi-Linear-48B low-latency lane on this GPU: speed at
+    batch 1 (the whole decode table and the prefill inside). Random weights, so no accuracy check: the matrix
+    shows "Runs", never "Verified"."""
+    hardware_id, hardware = fingerprint()
+    single = e2e["decode"][0]
+    return Record(
+        recipe=f"{model.MODEL}/{hardware_id}/unified/low-latency", hardware_id=hardware_id, hardware=hardware,
+        software=software_versions(), git=git_state(), command="python3 benchmarks/gpu/run.py", created=now(),
+        engine_args={"model": f"random {model.MODEL}-shaped weights (bf16)", "device": "cuda",
+                     "page_size": model.PAGE_SIZE, "cuda_graphs": True, "backends": e2e["backends"]},
+        benchmark={"workload": {"decode_context": single["context"], "batch": single["batch"],
+                                "steps": model.DECODE_STEPS, "weights": "random"},
+                   "output_tokens_per_s": single["tokens_per_s"], "concurrency": single["batch"],
+                   "tpot_s": single["step_ms"] / 1e3, "fraction_of_bound": single["fraction_of_bound"],
+                   "decode": e2e["decode"], "prefill": e2e["prefill"]},
+        accuracy=None)
 
 
 def save(results: dict[str, Any], out: Path) -> None:
@@ -158,6 +181,8 @@ def main() -> None:
     results["model"] = model_section(results["copy_bandwidth_gbps"])
     print(json.dumps(results["model"]), flush=True)
     save(results, out)
+    if "decode" in results["model"]:
+        print(f"evidence: {write_record(evidence_record(results['model']), out / 'evidence')}", flush=True)
     print(f"done in {results['seconds']} s; results in {out}", flush=True)
 
 

@@ -29,7 +29,7 @@ class MatrixRow:
     hardware: str
     mode: str
     strategy: str
-    lane: str                       # SGLang's name for the lane, or "kestrel on CPU"
+    lane: str                       # SGLang's name for the lane, "kestrel on CPU", or "kestrel only (...)"
     sglang_status: str | None       # the badge SGLang's page shows (None: no SGLang cell)
     badge: str
     evidence: tuple[str, ...]       # record file names, newest first
@@ -58,7 +58,10 @@ def summarize(record: Record) -> str:
 def _lane(request: RecipeRequest) -> tuple[str, str | None]:
     if request.hardware == CPU:
         return "kestrel on CPU", None
-    cell = sglang_recipe.compose(request)
+    try:
+        cell = sglang_recipe.compose(request)
+    except sglang_recipe.RecipeRefused:          # a record of a lane SGLang's page has no recipe for
+        return "kestrel only (no SGLang recipe)", None
     return cell.label, cell.status
 
 

@@ -96,19 +96,22 @@ def step_bytes(model: KimiForCausalLM, config: ModelConfig, batch: int, context:
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 
-class ExpertCounter:
-    """Counts the distinct experts the routers pick during one forward call (summed over layers)."""
+def experts_used(model: nn.Module, step) -> int:
+    """The distinct experts the routers pick during one call of step(), summed over layers (forward hooks, which
+    synchronise: keep this call out of timings)."""
+    used = 0
 
-    def __init__(self, model: nn.Module):
-        self.used = 0
-        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, Router)]
+    def count(module: nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        nonlocal used
+        used += int(output[0].unique().numel())
 
-    def _hook(self, module: nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.used += int(output[0].unique().numel())
-
-    def close(self) -> None:
-        for handle in self.handles:
+    handles = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, Router)]
+    try:
+        step()
+    finally:
+        for handle in handles:
             handle.remove()
+    return used
 
 
 def backends_used(step) -> dict[str, str]:
@@ -143,18 +146,16 @@ def decode_batch(model: KimiForCausalLM, cache: HybridCache, graphs: DecodeGraph
     warm-up step captures it), and the fraction of the bandwidth bound each reaches."""
     config = model.config
     slots, rows = list(range(batch_size)), page_table[:batch_size]
-    counter = ExpertCounter(model)
 
     def eager(i: int) -> None:
         batch = ForwardBatch.build([1] * batch_size, [CONTEXT + i] * batch_size, slots, rows, PAGE_SIZE, "cuda")
-        counter.used = 0
         model.compute_logits(model(torch.randint(config.vocab_size, (batch_size,), device="cuda"), batch, cache))
 
+    used = experts_used(model, lambda: eager(0))
     eager_s = median_step_seconds(eager)
-    counter.close()
     ids, table = torch.randint(config.vocab_size, (batch_size,)).tolist(), rows.tolist()
     graph_s = median_step_seconds(lambda i: graphs.run(ids, [CONTEXT + i] * batch_size, slots, table))
-    moved = step_bytes(model, config, batch_size, CONTEXT, counter.used, cache.mla[0].latent.values.element_size())
+    moved = step_bytes(model, config, batch_size, CONTEXT, used, cache.mla[0].latent.values.element_size())
     bound = moved["total"] / (bandwidth_gbps * 1e9)
     return dict(batch=batch_size, context=CONTEXT, eager_step_ms=round(eager_s * 1e3, 2),
                 step_ms=round(graph_s * 1e3, 2), tokens_per_s=round(batch_size / graph_s),

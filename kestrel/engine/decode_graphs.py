@@ -20,6 +20,7 @@ can run eagerly in place of a replay, which is how the tests check padding, buck
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 
 from ..layers.batch import ForwardBatch

@@ -51,9 +51,9 @@ def restore_backends():
     backend.set_backend(None)
 
 
-def prefilled_cache(model) -> HybridCache:
+def prefilled_cache(model, kv_dtype: torch.dtype | None = None) -> HybridCache:
     """A zeroed cache holding PROMPTS, prefilled by the dynamic path into SEQ_SLOTS and SEQ_PAGES."""
-    cache = HybridCache.allocate(model.config, SLOTS, PAGES, PAGE, dtype=torch.float32)
+    cache = HybridCache.allocate(model.config, SLOTS, PAGES, PAGE, dtype=torch.float32, kv_dtype=kv_dtype)
     for state in cache.kda:
         state.conv.zero_()
         state.recurrent.zero_()
@@ -112,11 +112,12 @@ def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
 @pytest.mark.parametrize("ops,syncs", [("triton", False), ("torch", True)])
 @torch.inference_mode()
 def test_the_captured_step_never_waits_on_the_device(ops, syncs, restore_backends):
-    """What capture needs, checked on the step a graph records: on the Triton ops no op reads device values on
-    the host, sizes an output by them, or copies host data in; the torch references do (the detector's control)."""
+    """What capture needs, checked on the step a graph records (FP8 KV cache): on the Triton ops no op reads
+    device values on the host, sizes an output by them, or copies host data in; the torch references do (the
+    detector's control)."""
     backend.set_backend(ops)
     model, _ = tiny_model("k3.1-tiny")
-    cache = prefilled_cache(model)
+    cache = prefilled_cache(model, torch.float8_e4m3fn)
     graphs = DecodeGraphs(model, cache, max_batch_size=4, max_pages=8, scratch_slot=SLOTS - 1, scratch_page=PAGES - 1)
     graphs.run([1, 2, 3], [6, 1, 9], SEQ_SLOTS, [r[:3] for r in SEQ_PAGES])
     detector = HostSyncDetector()

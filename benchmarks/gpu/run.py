@@ -129,9 +129,10 @@ def markdown(results: dict[str, Any]) -> str:
               f"{e2e['parameters_b']}B parameters; peak memory {e2e['peak_memory_gb']} GB.", "", markdown_table(
                   ["batch", "context", "eager ms / step", "graph ms / step", "tokens / s (graph)", "GB moved / step",
                    "bound ms", "fraction of bound (eager)", "fraction of bound (graph)"],
-                  [[d["batch"], d["context"], d["eager_step_ms"], d["step_ms"], d["tokens_per_s"],
-                    d["bytes_per_step_gb"], d["bound_ms"], d["eager_fraction_of_bound"], d["fraction_of_bound"]]
-                   for d in e2e["decode"]]), ""]
+                  [[d["batch"], d["context"], d["eager_step_ms"], "failed" if "graph_error" in d else d["step_ms"],
+                    d["tokens_per_s"], d["bytes_per_step_gb"], d["bound_ms"], d["eager_fraction_of_bound"],
+                    "failed" if "graph_error" in d else d["fraction_of_bound"]] for d in e2e["decode"]]), ""]
+    lines += [f"- graphs at batch {d['batch']}: {d['graph_error']}" for d in e2e["decode"] if "graph_error" in d]
     p = e2e["prefill"]
     lines += [f"Prefill: {p['sequences']} x {p['length']} tokens in {p['ms']} ms, {p['tokens_per_s']} tokens/s."]
     return "\n".join(lines)
@@ -147,7 +148,8 @@ def evidence_record(e2e: dict[str, Any]) -> Record:
         recipe=f"{model.MODEL}/{hardware_id}/unified/low-latency", hardware_id=hardware_id, hardware=hardware,
         software=software_versions(), git=git_state(), command="python3 benchmarks/gpu/run.py", created=now(),
         engine_args={"model": f"random {model.MODEL}-shaped weights (bf16)", "device": "cuda",
-                     "page_size": model.PAGE_SIZE, "cuda_graphs": True, "backends": e2e["backends"]},
+                     "page_size": model.PAGE_SIZE, "cuda_graphs": "graph_error" not in single,
+                     "backends": e2e["backends"]},
         benchmark={"workload": {"decode_context": single["context"], "batch": single["batch"],
                                 "steps": model.DECODE_STEPS, "weights": "random"},
                    "output_tokens_per_s": single["tokens_per_s"], "concurrency": single["batch"],

@@ -20,6 +20,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from kestrel.config import ModelConfig, load_config
+from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
@@ -160,9 +161,9 @@ def decode_batch(model: KimiForCausalLM, cache: HybridCache, graphs: DecodeGraph
                bytes_per_step_gb=round(moved["total"] / 1e9, 3), weights_gb=round(moved["weights"] / 1e9, 3),
                kv_gb=round(moved["kv"] / 1e9, 3), state_gb=round(moved["state"] / 1e9, 3),
                bound_ms=round(bound * 1e3, 3), eager_fraction_of_bound=round(bound / eager_s, 3))
-    ids, table = torch.randint(config.vocab_size, (batch_size,)).tolist(), rows.tolist()
+    ids, longest = torch.randint(config.vocab_size, (batch_size,)).tolist(), rows.shape[1]
     try:
-        graph_s = median_step_seconds(lambda i: graphs.run(ids, [CONTEXT + i] * batch_size, slots, table))
+        graph_s = median_step_seconds(lambda i: graphs.run(ids, [CONTEXT + i] * batch_size, slots, longest))
     except Exception as error:                       # noqa: BLE001 - recorded; the eager numbers stand
         return {**row, "graph_error": f"{type(error).__name__}: {error}", "step_ms": row["eager_step_ms"],
                 "tokens_per_s": round(batch_size / eager_s), "fraction_of_bound": row["eager_fraction_of_bound"]}
@@ -201,7 +202,11 @@ def run_model(bandwidth_gbps: float) -> dict[str, Any]:
                                  dtype=torch.bfloat16, device="cuda")              # the last: graph padding's
     fill_cache(cache)
     page_table = torch.arange(pages, device="cuda").view(slots, pages_per_seq)
-    graphs = DecodeGraphs(model, cache, max(BATCHES), pages_per_seq, scratch_slot=slots, scratch_page=pages)
+    table = PageTable(slots + 1, pages_per_seq, fill=pages, device="cuda")   # scratch slot's row: scratch page
+    for slot in range(slots):
+        table.set(slot, 0, page_table[slot].tolist())
+    table.flush()
+    graphs = DecodeGraphs(model, cache, table, max(BATCHES), scratch_slot=slots)
     one_step = ForwardBatch.build([1], [CONTEXT], [0], page_table[:1], PAGE_SIZE, "cuda")
     backends = backends_used(lambda: model(torch.zeros(1, dtype=torch.long, device="cuda"), one_step, cache))
     decode = [decode_batch(model, cache, graphs, b, bandwidth_gbps, page_table) for b in BATCHES]

@@ -12,6 +12,7 @@ from ..layers.cache import HybridCache
 from ..models.checkpoint import load_model
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.kv_pool import KVPool
+from .cache.page_table import PageTable
 from .cache.planner import device_memory, plan_memory
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
@@ -50,20 +51,22 @@ class LLMEngine:
                                 kv_dtype)
         log.info(self.plan.describe())
         graphs = not args.disable_cuda_graph and graphs_supported(device)
-        scratch = 1 if graphs else 0          # a state slot and a page for the padding rows of graph batches
-        self.cache = HybridCache.allocate(self.config, self.plan.num_slots + scratch, self.plan.num_pages + scratch,
-                                          self.plan.page_size, dtype, ssm_dtype, kv_dtype, device)
-        self.scheduler = Scheduler(StatePool(self.cache, self.plan.num_slots), KVPool(self.cache, self.plan.num_pages),
+        scratch = 1 if graphs else 0      # a state slot and a page, beyond the pools, for graph batches' padding
+        slots, pages = self.plan.num_slots, self.plan.num_pages
+        self.cache = HybridCache.allocate(self.config, slots + scratch, pages + scratch, self.plan.page_size, dtype,
+                                          ssm_dtype, kv_dtype, device)
+        max_pages = -(-self.plan.context_length // self.plan.page_size)
+        # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
+        page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
+        self.scheduler = Scheduler(StatePool(self.cache, slots), KVPool(self.cache, pages), page_table,
                                    self.plan.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
         decode_graphs = None
         if graphs:
-            max_pages = -(-self.plan.context_length // self.plan.page_size)
-            decode_graphs = DecodeGraphs(self.model, self.cache,
-                                         min(args.cuda_graph_max_bs, self.plan.max_running_requests), max_pages,
-                                         scratch_slot=self.plan.num_slots, scratch_page=self.plan.num_pages)
+            max_batch = min(args.cuda_graph_max_bs, self.plan.max_running_requests)
+            decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_batch, scratch_slot=slots)
             log.info("decode: CUDA graphs for batches of up to %d sequences, captured on first use",
                      decode_graphs.max_batch_size)
-        self.runner = ModelRunner(self.model, self.cache, decode_graphs)
+        self.runner = ModelRunner(self.model, self.cache, page_table, decode_graphs)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._json_masks: JsonTokenMasks | None = None

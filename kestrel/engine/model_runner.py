@@ -7,19 +7,22 @@ import torch
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
+from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    """Builds the ForwardBatch (token ids, prefix lengths, state slots, page-table rows) and runs the model.
+    """Builds the ForwardBatch (token ids, prefix lengths, state slots, their page-table rows) and runs the model.
 
     With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead.
     """
 
-    def __init__(self, model: KimiForCausalLM, cache: HybridCache, decode_graphs: DecodeGraphs | None = None):
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
+        self.page_table = page_table
         self.device = model.lm_head.weight.device
         self.decode_graphs = decode_graphs
 
@@ -27,17 +30,16 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], all_rows: set[int]) -> list[torch.Tensor | None]:
         """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
         every position), [1, vocab] at the last token for chunks that sample, None for the rest."""
-        graphs = self.decode_graphs
+        self.page_table.flush()
+        graphs, width = self.decode_graphs, max(len(c.seq.pages) for c in chunks)
         if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)
-                and graphs.fits(len(chunks), max(len(c.seq.pages) for c in chunks))):
+                and graphs.fits(len(chunks), width)):
             logits = graphs.run([c.seq.tokens(c.start, c.start + 1)[0] for c in chunks], [c.start for c in chunks],
-                                [c.seq.slot for c in chunks], [c.seq.pages for c in chunks])
+                                [c.seq.slot for c in chunks], width)
             return [logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
-        lens = [c.length for c in chunks]
-        width = max(len(c.seq.pages) for c in chunks)
-        table = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
-        batch = ForwardBatch.build(lens, [c.start for c in chunks], [c.seq.slot for c in chunks], table,
-                                   self.cache.page_size, self.device)
+        slots = torch.tensor([c.seq.slot for c in chunks], device=self.device)
+        batch = ForwardBatch.build([c.length for c in chunks], [c.start for c in chunks], slots,
+                                   self.page_table.gather(slots, width), self.cache.page_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.seq.tokens(c.start, c.start + c.length)],
                            device=self.device)
         hidden = self.model(ids, batch, self.cache)

@@ -74,7 +74,9 @@ class Sequence:
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions start..end-1 of prompt + output."""
         prompt = self.request.prompt_ids
-        return (prompt + self.output_ids)[start:end] if end > len(prompt) else prompt[start:end]
+        if start >= len(prompt):
+            return self.output_ids[start - len(prompt):end - len(prompt)]
+        return prompt[start:end] + self.output_ids[:max(end - len(prompt), 0)]
 
     @property
     def priority_key(self) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cache.kv_pool import KVPool
+from .cache.page_table import PageTable
 from .cache.state_pool import StatePool
 from .request import Sequence, Status
 
@@ -33,12 +34,14 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    """Waiting and running queues over a state pool and a KV pool."""
+    """Waiting and running queues over a state pool and a KV pool; every page handed out is recorded in the
+    page table's row of the sequence's state slot."""
 
-    def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_running: int, chunked_prefill_size: int,
-                 max_prefill_tokens: int):
+    def __init__(self, state_pool: StatePool, kv_pool: KVPool, page_table: PageTable, max_running: int,
+                 chunked_prefill_size: int, max_prefill_tokens: int):
         self.state_pool = state_pool
         self.kv_pool = kv_pool
+        self.page_table = page_table
         self.max_running = max_running
         self.chunk_size = chunked_prefill_size
         self.token_budget = max_prefill_tokens
@@ -104,6 +107,7 @@ class Scheduler:
             page = self.kv_pool.allocate(1)[0]
             self.kv_pool.copy_page(parent.pages[full], page)
             child.pages.append(page)
+        self.page_table.set(child.slot, 0, child.pages)
         child.num_computed = parent.num_computed
         child.status = Status.RUNNING
         self.running.append(child)
@@ -127,6 +131,7 @@ class Scheduler:
         seq.slot = self.state_pool.allocate()
         seq.reserved_slots = [self.state_pool.allocate() for _ in range(slots - 1)]
         seq.pages = self.kv_pool.allocate(self.kv_pool.pages_for(length))
+        self.page_table.set(seq.slot, 0, seq.pages)
         seq.num_computed = 0
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -141,7 +146,9 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.pages += self.kv_pool.allocate(needed)
+        new = self.kv_pool.allocate(needed)
+        self.page_table.set(seq.slot, len(seq.pages), new)
+        seq.pages += new
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -12,6 +12,7 @@ from helpers import tiny_model
 from kestrel import LLM, SamplingParams
 from kestrel.engine import engine as engine_module
 from kestrel.engine.args import EngineArgs
+from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.decode_graphs import DecodeGraphs, batch_sizes
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
@@ -66,6 +67,15 @@ def prefilled_cache(model, kv_dtype: torch.dtype | None = None) -> HybridCache:
     return cache
 
 
+def page_table() -> PageTable:
+    """SEQ_PAGES in the rows of SEQ_SLOTS; the other rows (the scratch slot's among them) all the scratch page."""
+    table = PageTable(SLOTS, 8, fill=PAGES - 1, device="cpu")
+    for slot, pages in zip(SEQ_SLOTS, SEQ_PAGES):
+        table.set(slot, 0, pages)
+    table.flush()
+    return table
+
+
 def cache_tensors(cache: HybridCache) -> list[torch.Tensor]:
     """Every stored tensor, the scratch slot and scratch page left out."""
     out = [t[:SLOTS - 1] for state in cache.kda for t in (state.conv, state.recurrent)]
@@ -84,21 +94,19 @@ def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
     model, _ = tiny_model(preset)
     dynamic_cache = prefilled_cache(model)
     static_cache = prefilled_cache(model)
-    graphs = DecodeGraphs(model, static_cache, max_batch_size=8, max_pages=8, scratch_slot=SLOTS - 1,
-                          scratch_page=PAGES - 1)
+    graphs = DecodeGraphs(model, static_cache, page_table(), max_batch_size=8, scratch_slot=SLOTS - 1)
     lengths = [len(p) for p in PROMPTS]
     tokens = [p[-1] for p in PROMPTS]
     expected_keys = set()
     for step in range(max(STEPS)):
         live = [i for i in range(len(PROMPTS)) if step < STEPS[i]]
         prefix = [lengths[i] for i in live]
-        rows = [SEQ_PAGES[i][:prefix[j] // PAGE + 1] for j, i in enumerate(live)]
-        width = max(map(len, rows))
+        width = max(p // PAGE + 1 for p in prefix)
         batch = ForwardBatch.build([1] * len(live), prefix, [SEQ_SLOTS[i] for i in live],
-                                   [r + [0] * (width - len(r)) for r in rows], PAGE)
+                                   [SEQ_PAGES[i][:width] for i in live], PAGE)
         ids = [tokens[i] for i in live]
         expected = model.compute_logits(model(torch.tensor(ids), batch, dynamic_cache))
-        got = graphs.run(ids, prefix, [SEQ_SLOTS[i] for i in live], rows)
+        got = graphs.run(ids, prefix, [SEQ_SLOTS[i] for i in live], width)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         expected_keys.add((next(b for b in (1, 2, 4, 8) if b >= len(live)), 1 << (width - 1).bit_length()))
         for j, i in enumerate(live):
@@ -118,8 +126,8 @@ def test_the_captured_step_never_waits_on_the_device(ops, syncs, restore_backend
     backend.set_backend(ops)
     model, _ = tiny_model("k3.1-tiny")
     cache = prefilled_cache(model, torch.float8_e4m3fn)
-    graphs = DecodeGraphs(model, cache, max_batch_size=4, max_pages=8, scratch_slot=SLOTS - 1, scratch_page=PAGES - 1)
-    graphs.run([1, 2, 3], [6, 1, 9], SEQ_SLOTS, [r[:3] for r in SEQ_PAGES])
+    graphs = DecodeGraphs(model, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1)
+    graphs.run([1, 2, 3], [6, 1, 9], SEQ_SLOTS, 3)
     detector = HostSyncDetector()
     with detector:
         graphs.steps[(4, 4)]()
@@ -156,7 +164,8 @@ def test_engine_tokens_are_the_same_with_graph_replays(model_dir, monkeypatch):
     assert generate(llm) == expected
     assert {size for size, _ in graphs.steps} == {1, 2, 4} and {1, 2, 8} <= {width for _, width in graphs.steps}
     pools = llm.engine.scheduler
-    assert graphs.scratch_slot == pools.state_pool.num_slots and graphs.scratch_page == pools.kv_pool.num_pages
+    assert graphs.scratch_slot == pools.state_pool.num_slots
+    assert (pools.page_table.rows[graphs.scratch_slot] == pools.kv_pool.num_pages).all()
     assert pools.state_pool.num_free == pools.state_pool.num_slots and pools.kv_pool.num_free == pools.kv_pool.num_pages
 
 

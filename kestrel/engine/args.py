@@ -45,6 +45,7 @@ class EngineArgs:
     moe_backend: str = "auto"                    # routed experts
     kda_backend: str = "auto"                    # KDA decode and prefill over the state pool
     norm_backend: str = "auto"                   # AttnRes mix + RMSNorm
+    moe_mxfp8_activations: bool = False          # round routed-expert GEMM inputs to MXFP8 (W4A8, as K3's QAT)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..layers.cache import HybridCache
+from ..layers.moe import RoutedExperts
 from ..models.checkpoint import load_model
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.kv_pool import KVPool
@@ -37,6 +38,8 @@ class LLMEngine:
         folder, device = Path(args.model), torch.device(args.device)
         self.model = load_model(folder, None if args.dtype == "auto" else DTYPES[args.dtype], device)
         self.config = self.model.config
+        if args.moe_mxfp8_activations:
+            self._use_mxfp8_activations()
         self.tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
         if self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -71,6 +74,16 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._json_masks: JsonTokenMasks | None = None
         torch.manual_seed(args.random_seed)
+
+    def _use_mxfp8_activations(self) -> None:
+        """Round every routed expert's GEMM inputs to MXFP8 (blocks of 32 along both GEMMs' input widths)."""
+        widths = (self.config.expert_dim, self.config.moe_intermediate_size)
+        if not self.config.num_experts or any(w % 32 for w in widths):
+            raise ValueError(f"--moe-mxfp8-activations needs routed experts whose widths {widths} are multiples of "
+                             f"32; {self.args.model} has {'none' if not self.config.num_experts else 'others'}.")
+        for module in self.model.modules():
+            if isinstance(module, RoutedExperts):
+                module.mxfp8_activations = True
 
     @property
     def context_length(self) -> int:

@@ -12,8 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import backend
-from ..ops.torch.moe import ExpertWeights, grouped_moe
-from ..quant import fake_quantize_mxfp8
+from ..ops.torch.moe import ExpertWeights
 from .activation import glu_activation
 from .norm import RMSNorm
 
@@ -68,8 +67,8 @@ class RoutedExperts(nn.Module):
     `w{1,3,2}_packed` (uint8, two values per byte along the input dim) with `w{1,3,2}_scale` (E8M0 per 32).
 
     Packed experts stay packed in memory; the experts a batch uses are dequantized when it runs (by the Triton
-    kernel on CUDA, inside its GEMM). With `mxfp8_activations` (off by default) the GEMM inputs are rounded to
-    MXFP8, as the family's quantization-aware training did; that runs on the torch reference.
+    kernel on CUDA, inside its GEMM). With `mxfp8_activations` (off by default; `--moe-mxfp8-activations`) the
+    GEMM inputs are rounded to MXFP8, as the family's quantization-aware training did (W4A8).
     """
 
     def __init__(self, config: ModelConfig, dim: int):
@@ -95,9 +94,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype."""
-        if self.mxfp8_activations:
-            return grouped_moe(z, ids, weights, self.weights(), self.activation, fake_quantize_mxfp8)
-        return backend.get_op("moe_experts", z.device)(z, ids, weights, self.weights(), self.activation)
+        return backend.get_op("moe_experts", z.device)(z, ids, weights, self.weights(), self.activation,
+                                                        self.mxfp8_activations)
 
 
 class MoE(nn.Module):

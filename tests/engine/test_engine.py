@@ -263,3 +263,18 @@ def test_bad_llm_inputs(model_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(model_dir), kv_cache_dtype="int4")
     assert_pools_free(llm)
+
+
+def test_moe_mxfp8_activations_flag_runs_every_routed_expert_in_w4a8(model_dir):
+    """--moe-mxfp8-activations: the engine's greedy tokens are those of the plain computation with every routed
+    expert's inputs rounded to MXFP8, and its logprobs move away from the unquantized engine's."""
+    prompts = random_prompts(3, seed=9)
+    params = greedy(6, logprobs=0)
+    plain = LLM(str(model_dir), page_size=4).generate(ids_of(prompts), params)
+    llm = LLM(str(model_dir), page_size=4, moe_mxfp8_activations=True)
+    quantized = llm.generate(ids_of(prompts), params)
+    experts = [m for m in llm.engine.model.modules() if type(m).__name__ == "RoutedExperts"]
+    assert experts and all(m.mxfp8_activations for m in experts)
+    assert tokens(quantized) == greedy_generate(llm.engine.model, prompts, 6)
+    first = [o.outputs[0].logprobs[0] for o in plain], [o.outputs[0].logprobs[0] for o in quantized]
+    assert any(next(iter(a.values())).logprob != next(iter(b.values())).logprob for a, b in zip(*first))

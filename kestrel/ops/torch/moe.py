@@ -1,8 +1,9 @@
 """The routed experts' grouped GEMM: act(x W1^T, x W3^T) W2^T for every token-expert pair, weighted and summed.
 
-The reference for the Triton grouped GEMM, computing what `kestrel.layers.moe.RoutedExperts.forward` computes
-(without MXFP8 activations): pairs are grouped by expert and padded to the busiest expert's count, the experts
-in use are dequantized (MXFP4) or gathered (dense) in the activation dtype, and each GEMM is one batched matmul.
+The reference for the Triton grouped GEMM, computing what `kestrel.layers.moe.RoutedExperts.forward` computes:
+pairs are grouped by expert and padded to the busiest expert's count, the experts in use are dequantized (MXFP4)
+or gathered (dense) in the activation dtype, and each GEMM is one batched matmul, its inputs fake-quantized to
+MXFP8 when asked.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...quant import dequantize_mxfp4
+from ...quant import dequantize_mxfp4, fake_quantize_mxfp8
 
 SILU, SITU = "silu", "situ"
 
@@ -68,13 +69,15 @@ class GLUActivation:
 
 
 def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
-                activation: GLUActivation) -> torch.Tensor:
+                activation: GLUActivation, mxfp8_activations: bool = False) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(z[t]) -> [T, D] in z's dtype.
 
     z: [T, D] (fp32, fp16 or bf16); ids: [T, k] int64; weights: [T, k] fp32 routing weights. Each expert GEMM
-    runs in z's dtype; the weighted sum is accumulated in fp32.
+    runs in z's dtype, its input rounded to MXFP8 first with mxfp8_activations (D and I multiples of 32); the
+    weighted sum is accumulated in fp32.
     """
-    return grouped_moe(z, ids, weights, experts, activation, quantize_inputs=lambda t: t)
+    quantize = fake_quantize_mxfp8 if mxfp8_activations else (lambda t: t)
+    return grouped_moe(z, ids, weights, experts, activation, quantize_inputs=quantize)
 
 
 def grouped_moe(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,

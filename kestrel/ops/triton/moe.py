@@ -11,6 +11,11 @@ count is bounded by shapes alone, and blocks past the real ones exit at once). T
 
 MXFP4 rows hold two E2M1 codes per byte (even column low nibble, odd column high): a byte tile is dequantized to
 an even-column and an odd-column weight tile, each multiplied with the matching columns of the activations.
+
+With MXFP8 activations (the W4A8 recipe K3 was trained with), each activation tile is rounded in the kernel to
+E4M3 with an E8M0 scale per 32 columns, exactly as `kestrel.quant.fake_quantize_mxfp8` rounds it, and multiplied
+with MXFP4 experts by `tl.dot_scaled`: an MX tensor-core product where the GPU has one (sm_100), Triton's bf16
+emulation elsewhere, both exact products accumulated in fp32. Dense experts get the rounded tile dequantized.
 """
 
 from __future__ import annotations
@@ -39,14 +44,68 @@ def _mxfp4_tiles(packed, scales, expert, n, n_ok, byte, byte_ok, N: tl.constexpr
 
 
 @triton.jit
+def _round_to_e4m3(v):
+    """v fp32, |v| <= 448 -> the nearest E4M3 value (ties to even), in fp32. (v + c) - c with c = 1.5 * 2^23 E4M3
+    spacings at v: the fp32 addition rounds, exactly on any GPU and in the interpreter (whose E4M3 cast does not
+    round to nearest even), so the cast that follows is exact."""
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127            # floor(log2 |v|) for normal v
+    spacing = tl.maximum(exponent, -6) - 3                                      # 3 mantissa bits; subnormal below 2^-6
+    c = (((spacing + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (v + c) - c
+
+
+@triton.jit
+def _mxfp8(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] fp32 -> MXFP8: E4M3 values [BLOCK_M, BLOCK_K] and E8M0 scale codes [BLOCK_M,
+    BLOCK_K // 32] uint8, fake_quantize_mxfp8's rule: scale 2^(floor(log2 amax) - 8) clamped to [2^-127, 2^127],
+    values clamped to +-448 and rounded to nearest even. A block holding Inf or NaN gets scale code 255 (NaN)."""
+    blocks = tl.reshape(x, [BLOCK_M, BLOCK_K // 32, 32])
+    amax_exponent = (tl.max(tl.abs(blocks), axis=2).to(tl.int32, bitcast=True) >> 23) & 0xFF   # 255: Inf or NaN
+    exponent = tl.minimum(tl.maximum(amax_exponent - 127 - 8, -127), 127)
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)          # 2^-exponent, a normal float
+    values = _round_to_e4m3(tl.minimum(tl.maximum(blocks * inverse[:, :, None], -448.0), 448.0))
+    codes = tl.where(amax_exponent == 255, 255, exponent + 127).to(tl.uint8)
+    return tl.reshape(values, [BLOCK_M, BLOCK_K]).to(tl.float8e4nv), codes
+
+
+@triton.jit
+def _mxfp8_dequantize(values, codes, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_mxfp8's output back to fp32 [BLOCK_M, BLOCK_K] (scale code 255: NaN; code 0, a block below 2^-118: 0)."""
+    scale = tl.where(codes == 255, float("nan"), e8m0_to_float(codes))
+    blocks = tl.reshape(values.to(tl.float32), [BLOCK_M, BLOCK_K // 32, 32]) * scale[:, :, None]
+    return tl.reshape(blocks, [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
 def _expert_product(x, x_rows, row_ok, w, w_scale, expert, n, n_ok, N: tl.constexpr, K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """x[x_rows] [BLOCK_M, K] @ W[expert][n]^T -> [BLOCK_M, BLOCK_N] fp32, W [E, N, K] dense or MXFP4."""
+                    MXFP8: tl.constexpr, PRECISION: tl.constexpr):
+    """x[x_rows] [BLOCK_M, K] @ W[expert][n]^T -> [BLOCK_M, BLOCK_N] fp32, W [E, N, K] dense or MXFP4, x rounded
+    to MXFP8 first when MXFP8 (K a multiple of 32)."""
     dtype = x.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if MXFP4:
+        if MXFP8:
+            column = k0 + tl.arange(0, BLOCK_K)
+            column_ok = column < K
+            x_tile = tl.load(x + x_rows[:, None] * K + column[None, :], mask=row_ok[:, None] & column_ok[None, :],
+                             other=0.0)
+            x_values, x_scales = _mxfp8(x_tile.to(tl.float32), BLOCK_M, BLOCK_K)
+            row = expert * N + n
+            if MXFP4:
+                byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                codes = tl.load(w + row[None, :] * (K // 2) + byte[:, None],
+                                mask=(2 * byte < K)[:, None] & n_ok[None, :], other=0)      # [BLOCK_K // 2, BLOCK_N]
+                group = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                w_scales = tl.load(w_scale + row[:, None] * (K // 32) + group[None, :],
+                                   mask=n_ok[:, None] & (group < K // 32)[None, :], other=0)
+                acc = tl.dot_scaled(x_values, x_scales, "e4m3", codes, w_scales, "e2m1", acc)
+            else:
+                x_tile = _mxfp8_dequantize(x_values, x_scales, BLOCK_M, BLOCK_K).to(dtype)
+                w_tile = tl.load(w + row[:, None] * K + column[None, :], mask=n_ok[:, None] & column_ok[None, :],
+                                 other=0.0).to(dtype)
+                acc += tl.dot(x_tile, tl.trans(w_tile), input_precision=PRECISION)
+        elif MXFP4:
             byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             column = 2 * byte
             column_ok = column < K
@@ -70,7 +129,8 @@ def _expert_product(x, x_rows, row_ok, w, w_scale, expert, n, n_ok, N: tl.conste
 @triton.jit
 def _gate_up_kernel(z, w1, w3, w1_scale, w3_scale, block_expert, row_pair, h, top_k, beta, linear_beta,
                     D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, SITU: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, MXFP8: tl.constexpr, SITU: tl.constexpr,
+                    PRECISION: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
     if expert < 0:
@@ -83,9 +143,9 @@ def _gate_up_kernel(z, w1, w3, w1_scale, w3_scale, block_expert, row_pair, h, to
     n_ok = n < I
     dtype = z.dtype.element_ty
     gate = _expert_product(z, token, row_ok, w1, w1_scale, expert, n, n_ok, I, D, BLOCK_M, BLOCK_N, BLOCK_K,
-                           MXFP4, PRECISION).to(dtype).to(tl.float32)
+                           MXFP4, MXFP8, PRECISION).to(dtype).to(tl.float32)
     up = _expert_product(z, token, row_ok, w3, w3_scale, expert, n, n_ok, I, D, BLOCK_M, BLOCK_N, BLOCK_K,
-                         MXFP4, PRECISION).to(dtype).to(tl.float32)
+                         MXFP4, MXFP8, PRECISION).to(dtype).to(tl.float32)
     if SITU:
         act = beta * stable_tanh(gate / beta) * tl.sigmoid(gate) * linear_beta * stable_tanh(up / linear_beta)
     else:
@@ -96,7 +156,7 @@ def _gate_up_kernel(z, w1, w3, w1_scale, w3_scale, block_expert, row_pair, h, to
 @triton.jit
 def _down_kernel(h, w2, w2_scale, block_expert, row_pair, weights, pair_out,
                  D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, MXFP8: tl.constexpr, PRECISION: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
     if expert < 0:
@@ -107,7 +167,7 @@ def _down_kernel(h, w2, w2_scale, block_expert, row_pair, weights, pair_out,
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     y = _expert_product(h, rows, row_ok, w2, w2_scale, expert, n, n_ok, D, I, BLOCK_M, BLOCK_N, BLOCK_K,
-                        MXFP4, PRECISION).to(h.dtype.element_ty).to(tl.float32)
+                        MXFP4, MXFP8, PRECISION).to(h.dtype.element_ty).to(tl.float32)
     y = y * tl.load(weights + pair, mask=row_ok, other=0.0)[:, None]
     tl.store(pair_out + pair[:, None] * D + n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
 
@@ -136,7 +196,7 @@ def _block_layout(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
 
 
 def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
-                activation: GLUActivation) -> torch.Tensor:
+                activation: GLUActivation, mxfp8_activations: bool = False) -> torch.Tensor:
     """Triton version of `kestrel.ops.torch.moe.moe_experts` (see there for shapes and semantics)."""
     num_tokens, dim = z.shape
     top_k = ids.shape[1]
@@ -153,10 +213,10 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         z, experts.w1, experts.w3, scales[0], scales[1], block_expert, row_pair, h, top_k,
         activation.beta, activation.linear_beta,
         D=dim, I=inter, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MXFP4=experts.mxfp4,
-        SITU=activation.kind == SITU, PRECISION=precision)
+        MXFP8=mxfp8_activations, SITU=activation.kind == SITU, PRECISION=precision)
     pair_out = torch.empty(num_tokens * top_k, dim, dtype=torch.float32, device=z.device)
     _down_kernel[(blocks, triton.cdiv(dim, BLOCK_N))](
         h, experts.w2, scales[2], block_expert, row_pair, weights.float().contiguous(), pair_out,
         D=dim, I=inter, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MXFP4=experts.mxfp4,
-        PRECISION=precision)
+        MXFP8=mxfp8_activations, PRECISION=precision)
     return pair_out.view(num_tokens, top_k, dim).sum(1).to(z.dtype)

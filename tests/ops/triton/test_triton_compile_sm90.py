@@ -99,7 +99,7 @@ def indexer_call(fp8: bool):
         torch.arange(4).view(2, 2), 64, torch.tensor([0, 1]), torch.tensor([100, 30]), 128)
 
 
-def moe_call(mxfp4: bool):
+def moe_call(mxfp4: bool, mxfp8: bool = False):
     experts, dim, inter = 2, 3584, 3072
     shapes = ((experts, inter, dim), (experts, inter, dim), (experts, dim, inter))
     if mxfp4:
@@ -109,7 +109,7 @@ def moe_call(mxfp4: bool):
         weights = ExpertWeights(*(torch.zeros(e, o, i, dtype=BF16) for e, o, i in shapes))
     activation = GLUActivation("situ", 4.0, 25.0) if mxfp4 else GLUActivation("silu")
     return lambda: moe.moe_experts(torch.zeros(3, dim, dtype=BF16), torch.tensor([[0, 1], [1, 0], [0, 1]]),
-                                   torch.rand(3, 2), weights, activation)
+                                   torch.rand(3, 2), weights, activation, mxfp8)
 
 
 def attn_res_call():
@@ -127,6 +127,8 @@ CASES = {
     "indexer fp8": (indexer, ["_scores_kernel"], lambda: indexer_call(True)),
     "moe bf16": (moe, ["_gate_up_kernel", "_down_kernel"], lambda: moe_call(False)),
     "moe mxfp4": (moe, ["_gate_up_kernel", "_down_kernel"], lambda: moe_call(True)),
+    "moe mxfp4 mxfp8": (moe, ["_gate_up_kernel", "_down_kernel"], lambda: moe_call(True, True)),
+    "moe bf16 mxfp8": (moe, ["_gate_up_kernel", "_down_kernel"], lambda: moe_call(False, True)),
     "attn_res": (attn_res, ["_mix_norm_kernel"], attn_res_call),
 }
 

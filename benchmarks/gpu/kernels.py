@@ -123,9 +123,10 @@ def indexer_case(seqs: int, context: int, fp8: bool = False, heads: int = 32, di
                 bytes_, flops=2 * seqs * heads * dim * context, tokens=seqs)
 
 
-def moe_case(tokens: int, experts: int, top_k: int, dim: int, inter: int, mxfp4: bool, activation: GLUActivation
-             ) -> Case:
-    """The routed experts of one MoE layer for `tokens` tokens, each routed to top_k distinct experts."""
+def moe_case(tokens: int, experts: int, top_k: int, dim: int, inter: int, mxfp4: bool, activation: GLUActivation,
+             mxfp8: bool = False) -> Case:
+    """The routed experts of one MoE layer for `tokens` tokens, each routed to top_k distinct experts (W4A8 with
+    mxfp8: activations rounded to MXFP8)."""
     if mxfp4:
         packed = [torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE)
                   for shape in ((experts, inter, dim // 2), (experts, inter, dim // 2), (experts, dim, inter // 2))]
@@ -138,9 +139,10 @@ def moe_case(tokens: int, experts: int, top_k: int, dim: int, inter: int, mxfp4:
     ids = torch.rand(tokens, experts, device=DEVICE).topk(top_k).indices
     used = int(ids.unique().numel())
     inputs = dict(z=randn(tokens, dim), ids=ids, weights=torch.rand(tokens, top_k, device=DEVICE), experts=weights,
-                  activation=activation)
+                  activation=activation, mxfp8_activations=mxfp8)
     bytes_ = used * 3 * inter * dim * per_weight + tokens * dim * 4
-    label = f"T={tokens} E={experts} k={top_k} {dim}->{inter} {'MXFP4' if mxfp4 else 'bf16'} {activation.kind}"
+    label = (f"T={tokens} E={experts} k={top_k} {dim}->{inter} {'MXFP4' if mxfp4 else 'bf16'} {activation.kind}"
+             f"{' A8' if mxfp8 else ''}")
     return Case("moe_experts", label, inputs, bytes_, flops=2 * 3 * tokens * top_k * inter * dim, tokens=tokens)
 
 
@@ -168,6 +170,7 @@ def all_cases() -> list[Callable[[], Case]]:
         lambda: indexer_case(32, 8192, fp8=True),
         *(lambda t=t: moe_case(t, 256, 8, 2304, 1024, False, GLUActivation("silu")) for t in (1, 32, 128)),
         *(lambda t=t: moe_case(t, 896, 16, 3584, 3072, True, k3_situ) for t in (1, 16)),
+        *(lambda t=t: moe_case(t, 896, 16, 3584, 3072, True, k3_situ, mxfp8=True) for t in (16, 256)),
         *(lambda t=t: attn_res_case(t, 9, 7168) for t in (1, 128)),
     ]
 

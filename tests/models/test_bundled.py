@@ -25,6 +25,7 @@ from kestrel.config import KDA, MLA, load_config
 from kestrel.engine.tokenizer import Tokenizer
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.mla import GatedMLA
+from kestrel.layers.moe import RoutedExperts
 from kestrel.models.checkpoint import load_model
 from kestrel.models.inspect import inspect_config
 
@@ -81,6 +82,22 @@ def test_held_out_perplexity_matches_the_card(model, windows):
     logits = model.compute_logits(model(ids, batch))
     loss = F.cross_entropy(logits, torch.cat([w[1:] for w in windows]))
     assert math.exp(loss.item()) == pytest.approx(CARD["sample"]["perplexity"], rel=0.02)
+
+
+@torch.no_grad()
+def test_w4a8_experts_keep_the_held_out_perplexity(model, windows):
+    """MXFP8-rounded expert inputs (--moe-mxfp8-activations) cost under 1% perplexity on the held-out sample."""
+    ids, batch = packed(windows, 1)
+    targets = torch.cat([w[1:] for w in windows])
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    try:
+        for m in experts:
+            m.mxfp8_activations = True
+        w4a8 = math.exp(F.cross_entropy(model.compute_logits(model(ids, batch)), targets).item())
+    finally:
+        for m in experts:
+            m.mxfp8_activations = False
+    assert w4a8 == pytest.approx(CARD["sample"]["perplexity"], rel=0.01)
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ class HostSyncDetector(TorchDispatchMode):
     shape depends on values, and host data copied in (which a graph would freeze at its captured value)."""
 
     SYNCING = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
-               "aten.unique_consecutive", "aten._unique2", "aten.unique_dim", "aten.lift_fresh", "aten.to.device"}
+               "aten.unique_consecutive", "aten._unique2", "aten.unique_dim", "aten.lift_fresh"}
 
     def __init__(self):
         super().__init__()

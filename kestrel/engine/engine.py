@@ -78,9 +78,11 @@ class LLMEngine:
     def _use_mxfp8_activations(self) -> None:
         """Round every routed expert's GEMM inputs to MXFP8 (blocks of 32 along both GEMMs' input widths)."""
         widths = (self.config.expert_dim, self.config.moe_intermediate_size)
-        if not self.config.num_experts or any(w % 32 for w in widths):
-            raise ValueError(f"--moe-mxfp8-activations needs routed experts whose widths {widths} are multiples of "
-                             f"32; {self.args.model} has {'none' if not self.config.num_experts else 'others'}.")
+        if not self.config.num_experts:
+            raise ValueError(f"--moe-mxfp8-activations needs routed experts, and {self.args.model} has none.")
+        if any(w % 32 for w in widths):
+            raise ValueError(f"--moe-mxfp8-activations needs expert widths that are multiples of 32, and "
+                             f"{self.args.model}'s are {widths}.")
         for module in self.model.modules():
             if isinstance(module, RoutedExperts):
                 module.mxfp8_activations = True

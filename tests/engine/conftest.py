@@ -33,10 +33,11 @@ def write_tokenizer(folder) -> None:
         {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "add_bos_token": True}))
 
 
-def write_model(folder, preset: str = "k3.1-tiny", seed: int = 0) -> None:
+def write_model(folder, preset: str = "k3.1-tiny", seed: int = 0, **overrides) -> None:
+    """A random model of `preset` (text-config keys replaced by overrides) and the test tokenizer in folder."""
     raw = tiny_config(preset)
     text = raw.get("text_config", raw)
-    text.update(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text.update(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
     model = init_weights(build_model(parse_config(raw), torch.float32), seed=seed, std=0.1)
     save_model(model, folder, config_json=raw)
     write_tokenizer(folder)
@@ -54,4 +55,12 @@ def model_dir(tmp_path_factory):
 def kimi_linear_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kimi-linear-tiny")
     write_model(folder, "kimi-linear-tiny")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def narrow_experts_dir(tmp_path_factory):
+    """Kimi-Linear-tiny with dense experts 40 wide, off MXFP8's blocks of 32."""
+    folder = tmp_path_factory.mktemp("narrow-experts")
+    write_model(folder, "kimi-linear-tiny", moe_intermediate_size=40)
     return folder

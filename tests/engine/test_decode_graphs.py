@@ -32,17 +32,17 @@ class HostSyncDetector(TorchDispatchMode):
 
     SYNCING = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
                "aten.unique_consecutive", "aten._unique2", "aten.unique_dim", "aten.lift_fresh"}
+    SIZED_BY_VALUES = {"aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}   # unless output_size
 
     def __init__(self):
         super().__init__()
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
         kwargs = kwargs or {}
-        if name in self.SYNCING or (name == "aten.repeat_interleave" and kwargs.get("output_size") is None
-                                    and isinstance(args[0], torch.Tensor) and len(args) < 3):
-            self.found.append(name)
+        if str(func.overloadpacket) in self.SYNCING or (str(func) in self.SIZED_BY_VALUES
+                                                        and kwargs.get("output_size") is None):
+            self.found.append(str(func))
         return func(*args, **kwargs)
 
 

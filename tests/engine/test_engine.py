@@ -10,6 +10,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.engine.tokenizer import Tokenizer
 from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.moe import RoutedExperts
 from helpers import greedy_generate
 
 VOCAB = 320
@@ -273,8 +274,13 @@ def test_moe_mxfp8_activations_flag_runs_every_routed_expert_in_w4a8(model_dir):
     plain = LLM(str(model_dir), page_size=4).generate(ids_of(prompts), params)
     llm = LLM(str(model_dir), page_size=4, moe_mxfp8_activations=True)
     quantized = llm.generate(ids_of(prompts), params)
-    experts = [m for m in llm.engine.model.modules() if type(m).__name__ == "RoutedExperts"]
+    experts = [m for m in llm.engine.model.modules() if isinstance(m, RoutedExperts)]
     assert experts and all(m.mxfp8_activations for m in experts)
     assert tokens(quantized) == greedy_generate(llm.engine.model, prompts, 6)
     first = [o.outputs[0].logprobs[0] for o in plain], [o.outputs[0].logprobs[0] for o in quantized]
     assert any(next(iter(a.values())).logprob != next(iter(b.values())).logprob for a, b in zip(*first))
+
+
+def test_moe_mxfp8_activations_refuse_expert_widths_off_the_32_blocks(narrow_experts_dir):
+    with pytest.raises(ValueError, match=r"multiples of 32, and .*'s are \(\d+, 40\)"):
+        LLM(str(narrow_experts_dir), moe_mxfp8_activations=True)

@@ -27,6 +27,7 @@ from .models.init import init_weights
 from .models.inspect import inspect_config
 from .models.presets import PRESETS, tiny_config
 from .models.quantize import quantize_experts
+from .server.options import ServerOptions
 from .server.serve import serve
 
 
@@ -79,10 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: --model; k3.1-tiny for the bundled model)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--max-queued-requests", type=int, default=None, help="answer 429 beyond this many queued")
+    ServerOptions.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_serve)
     add_bench_commands(sub)
@@ -91,12 +89,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.served_model_name is None and Path(args.model) == BUNDLED_MODEL:
-        args.served_model_name = BUNDLED_MODEL.name
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        raise UsageError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}.")
-    serve(EngineArgs.from_cli(args), args.host, args.port, args.served_model_name, args.api_key,
-          args.max_queued_requests)
+    name = args.served_model_name
+    if name is None:
+        name = BUNDLED_MODEL.name if Path(args.model) == BUNDLED_MODEL else args.model
+    serve(EngineArgs.from_cli(args), ServerOptions.from_cli(args, name), args.host, args.port)
     return 0
 
 

@@ -2,6 +2,9 @@
 
 Triton kernels run on the CPU through Triton's interpreter, which must be switched on before triton is first
 imported (fla imports it too), so it is switched on here, before any test module loads.
+
+Property-based tests run derandomized (the same examples every run, so no test passes or fails by luck);
+`--hypothesis-profile random` draws new ones (tools/fuzz.sh), and every failure found stays as an @example.
 """
 
 from __future__ import annotations
@@ -11,8 +14,13 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from helpers import FAMILY, tiny_model  # noqa: E402
+
+settings.register_profile("derandomized", derandomize=True, database=None)
+settings.register_profile("random", derandomize=False, database=None)
+settings.load_profile("derandomized")
 
 
 @pytest.fixture(params=FAMILY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
 from kestrel.server.app import create_app
 from kestrel.server.chat import XTML_CHAT_TEMPLATE
+from kestrel.server.options import ServerOptions
 
 VOCAB = 400
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "<|MASK|>"]
@@ -80,10 +82,9 @@ def start_kestrel_serve(*args: str) -> tuple[subprocess.Popen, str]:
 class LiveServer:
     """A kestrel app served by uvicorn on a loopback port, in a background thread."""
 
-    def __init__(self, folder: Path, api_key: str | None = None, max_queued_requests: int | None = None,
-                 **engine_args):
+    def __init__(self, folder: Path, options: ServerOptions | None = None, **engine_args):
         self.engine = AsyncEngine(LLMEngine(EngineArgs(model=str(folder), **engine_args)))
-        self.app = create_app(self.engine, MODEL_NAME, api_key, max_queued_requests)
+        self.app = create_app(self.engine, options or ServerOptions(MODEL_NAME))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -103,3 +104,9 @@ class LiveServer:
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, **{"timeout": 60, **kw})
+
+    def num_tasks(self) -> int:
+        """asyncio tasks alive on the server's event loop (besides the one counting them)."""
+        async def count() -> int:
+            return len(asyncio.all_tasks()) - 1
+        return asyncio.run_coroutine_threadsafe(count(), self.server.servers[0].get_loop()).result(10)

@@ -38,6 +38,7 @@ class EngineArgs:
     max_running_requests: int | None = None
     page_size: int = 16
     context_length: int | None = None            # default: the model's max_position_embeddings
+    max_prompt_tokens: int | None = None         # longer prompts are refused (default: the context length)
     chunked_prefill_size: int = 2048             # most prompt tokens of one request per step
     max_prefill_tokens: int = 8192               # most tokens (prefill and decode) in one step
     random_seed: int = 0                         # seeds requests that set no seed of their own
@@ -64,6 +65,7 @@ class EngineArgs:
              "at least 1"),
             (self.page_size >= 1, "page_size", "at least 1"),
             (self.context_length is None or self.context_length >= 1, "context_length", "at least 1"),
+            (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens", "at least 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),

@@ -1,7 +1,8 @@
 """The engine on its own thread, for asyncio callers: the engine loop never runs on the server's event loop.
 
 Coroutines hand requests and aborts to the engine thread through a queue; the thread applies them between steps,
-runs steps while there is work, and delivers each request's outputs to that request's asyncio queue.
+runs steps while there is work it can schedule (otherwise it sleeps until the next command), delivers each
+request's outputs to that request's asyncio queue, and publishes a snapshot of what it holds after each turn.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ log = logging.getLogger("kestrel")
 class EngineStats:
     """What the engine holds right now (read by /metrics and the admission limit)."""
 
-    running: int
-    waiting: int
+    running: int                # sequences holding a state slot
+    waiting: int                # sequences queued or preempted
+    running_requests: int       # requests with at least one running sequence
     kv_pages_used: int
     kv_pages_total: int
     state_slots_used: int
@@ -36,6 +38,10 @@ class RequestFailed(RuntimeError):
     """The engine could not finish this request (the others carry on)."""
 
 
+class RequestTimedOut(RuntimeError):
+    """The request ran past its deadline and was aborted."""
+
+
 class AsyncEngine:
     """Runs an LLMEngine on a daemon thread; `generate` streams a request's cumulative outputs."""
 
@@ -44,6 +50,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="kestrel-engine", daemon=True)
         self._thread.start()
 
@@ -56,9 +63,14 @@ class AsyncEngine:
         return self.engine.sampling_defaults
 
     def stats(self) -> EngineStats:
+        """What the engine held after its last turn (published by the engine thread; safe from any thread)."""
+        return self._stats
+
+    def _snapshot(self) -> EngineStats:
         scheduler = self.engine.scheduler
         kv, state = scheduler.kv_pool, scheduler.state_pool
         return EngineStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
+                           running_requests=self.engine.num_running_requests(),
                            kv_pages_used=kv.num_pages - kv.num_free, kv_pages_total=kv.num_pages,
                            state_slots_used=state.num_slots - state.num_free, state_slots_total=state.num_slots)
 
@@ -68,17 +80,23 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its cumulative outputs until it finishes. A ValueError (bad request) or
-        RequestFailed is raised here; leaving the iteration early aborts the request."""
+                       priority: int = 0, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative outputs until it finishes. A ValueError (bad request),
+        RequestFailed, or RequestTimedOut (`timeout` seconds after submission) is raised here; leaving the
+        iteration early aborts the request."""
         loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
         self._commands.put(("add", request_id, prompt, params, priority))
         finished = False
         try:
             while True:
-                item = await outputs.get()
+                try:
+                    item = await asyncio.wait_for(outputs.get(), None if deadline is None else deadline - loop.time())
+                except TimeoutError:
+                    raise RequestTimedOut(f"the request ran longer than this server's limit of {timeout:g} s "
+                                          "(--request-timeout) and was aborted.") from None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -91,6 +109,10 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every request; each stream ends with its output so far, finish_reason "abort" and `reason`."""
+        self._commands.put(("abort_all", reason))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (requests still running are abandoned)."""
         self._stopped.set()
@@ -99,9 +121,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            self._apply_commands(block=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_unfinished_requests() or self.engine.stalled
+            self._apply_commands(block=idle)
             if self.engine.has_unfinished_requests():
                 self._step()
+            self._stats = self._snapshot()
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -125,6 +149,9 @@ class AsyncEngine:
                 self._deliver(request_id, e)
         elif kind == "abort":
             self.engine.abort_request(rest[0])
+        elif kind == "abort_all":
+            for request_id in list(self.engine.requests):
+                self._deliver(request_id, self.engine.abort_request(request_id, rest[0]))
 
     def _step(self) -> None:
         try:

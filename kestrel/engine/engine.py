@@ -14,7 +14,7 @@ from ..models.checkpoint import load_model
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
-from .cache.planner import device_memory, plan_memory
+from .cache.planner import MemoryPlanError, device_memory, plan_memory
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .json_mode import JsonState, JsonTokenMasks, advance
@@ -56,8 +56,13 @@ class LLMEngine:
         graphs = not args.disable_cuda_graph and graphs_supported(device)
         scratch = 1 if graphs else 0      # a state slot and a page, beyond the pools, for graph batches' padding
         slots, pages = self.plan.num_slots, self.plan.num_pages
-        self.cache = HybridCache.allocate(self.config, slots + scratch, pages + scratch, self.plan.page_size, dtype,
-                                          ssm_dtype, kv_dtype, device)
+        try:
+            self.cache = HybridCache.allocate(self.config, slots + scratch, pages + scratch, self.plan.page_size,
+                                              dtype, ssm_dtype, kv_dtype, device)
+        except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
+            size = (self.plan.state_pool_bytes + self.plan.kv_pool_bytes) / 2**30
+            raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "
+                                  "--mem-fraction-static, --max-total-tokens or --max-mamba-cache-size.") from e
         max_pages = -(-self.plan.context_length // self.plan.page_size)
         # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
         page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
@@ -71,6 +76,7 @@ class LLMEngine:
                      decode_graphs.max_batch_size)
         self.runner = ModelRunner(self.model, self.cache, page_table, decode_graphs)
         self.requests: dict[str, Request] = {}
+        self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
         self._json_masks: JsonTokenMasks | None = None
         torch.manual_seed(args.random_seed)
@@ -100,6 +106,7 @@ class LLMEngine:
         if params.json_object and self.tokenizer is None:
             raise ValueError(f"JSON mode needs the model's tokenizer.json, which {self.args.model} lacks.")
         ids = self._prompt_ids(prompt)
+        self._check_fits(ids, params)
         room = self.context_length - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room in the context length of "
@@ -114,24 +121,44 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(self._new_sequence(request))
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is (queued, prefilling, decoding); its memory is free on return."""
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """A ValueError for a request that could never be admitted, even into an idle engine."""
+        limit = self.args.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than this server's limit of {limit} "
+                             "(--max-prompt-tokens).")
+        running, pages = self.scheduler.max_running, self.scheduler.kv_pool.num_pages
+        if params.n > running:
+            raise ValueError(f"n={params.n} needs {params.n} sequences running at once, but this engine runs at most "
+                             f"{running} (--max-running-requests, or the state slots of --max-mamba-cache-size).")
+        if params.n > pages:
+            raise ValueError(f"n={params.n} needs at least {params.n} KV pages at once, but the KV pool has "
+                             f"{pages} (--max-total-tokens).")
+
+    def abort_request(self, request_id: str, reason: str | None = None) -> RequestOutput | None:
+        """Stop a request wherever it is (queued, prefilling, decoding); its memory is free on return. The
+        sequences it stops finish with "abort" (and `reason`, if given, as their stop_reason)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         for seq in request.sequences:
             if seq.status is not Status.FINISHED:
-                seq.finish_reason = "abort"
+                seq.finish_reason, seq.stop_reason = "abort", reason
                 self.scheduler.finish(seq)
         return request.output()
 
     def fail_running(self) -> list[str]:
-        """After a step that raised: abort every request with a running sequence; returns their ids."""
+        """After a step that raised outside any request's guard: abort every request with a running sequence;
+        returns their ids."""
         failed = [request_id for request_id, request in self.requests.items()
                   if any(s.status is Status.RUNNING for s in request.sequences)]
         for request_id in failed:
             self.abort_request(request_id)
         return failed
+
+    def num_running_requests(self) -> int:
+        """Requests with at least one sequence holding a state slot."""
+        return sum(any(s.status is Status.RUNNING for s in r.sequences) for r in self.requests.values())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -139,10 +166,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
         chunks = self.scheduler.schedule()
+        self.stalled = not chunks
         if not chunks:
             return []
         all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
-        logits = self.runner.run(chunks, all_rows)
+        try:
+            logits = self.runner.run(chunks, all_rows)
+        except Exception as e:   # the step's requests may hold half-written caches: they fail, the others go on
+            log.exception("a model step failed")
+            failed = {id(c.seq.request): c.seq.request for c in chunks}.values()
+            for request in failed:
+                self._fail(request, f"the model failed on a batch holding this request: {type(e).__name__}: {e}")
+                self.requests.pop(request.request_id, None)
+            return [request.output() for request in failed]
         touched: dict[str, Request] = {}
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
@@ -177,7 +213,7 @@ class LLMEngine:
     def _new_sequence(self, request: Request) -> Sequence:
         index = len(request.sequences)
         params = request.params
-        generator = new_generator(params.seed + index) if params.seed is not None else None
+        generator = new_generator(params.seed + index, self.runner.device) if params.seed is not None else None
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, params.skip_special_tokens,
@@ -200,19 +236,50 @@ class LLMEngine:
         return [c for c in children if c.status is Status.RUNNING]
 
     def _sample_and_append(self, targets: list[tuple[Sequence, torch.Tensor]]) -> None:
-        rows = [SamplingRow(s.request.params, s.request.prompt_ids, s.output_ids, s.generator, self.eos_token_ids,
-                            self._json_token_masks().allowed(s.json_state) if s.json_state is not None else None)
-                for s, _ in targets]
-        result = sample(torch.stack([logits for _, logits in targets]), rows)
-        for i, (seq, _) in enumerate(targets):
+        """Sample every target's next token and append it. A failure (non-finite logits, a sampler error, a
+        detokenizer error) fails only the request it belongs to."""
+        logits = torch.stack([row_logits for _, row_logits in targets])
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for (seq, _), ok in zip(targets, finite):
+            if not ok:
+                self._fail(seq.request, "the model produced NaN or infinite logits for this request.")
+        kept = [i for i, (seq, _) in enumerate(targets) if seq.status is not Status.FINISHED]
+        if not kept:
+            return
+        seqs = [targets[i][0] for i in kept]
+        rows = [self._sampling_row(s) for s in seqs]
+        try:
+            batch = sample(logits[kept], rows)
+            results = [(seq, batch, i) for i, seq in enumerate(seqs)]
+        except Exception:   # find the row that fails: every other row is sampled on its own
+            log.exception("batched sampling failed; sampling row by row")
+            results = []
+            for i, seq in enumerate(seqs):
+                try:
+                    results.append((seq, sample(logits[kept[i]:kept[i] + 1], rows[i:i + 1]), 0))
+                except Exception as e:
+                    self._fail(seq.request, f"sampling failed: {type(e).__name__}: {e}")
+        for seq, result, row in results:
+            if seq.status is Status.FINISHED:      # a sibling failed the request
+                continue
             try:
-                self._append(seq, int(result.token_ids[i]), result, i)
-            except Exception as e:   # one request's failure (e.g. in its detokenizer) ends only that request
+                self._append(seq, int(result.token_ids[row]), result, row)
+            except Exception as e:
                 log.exception("request %s failed", seq.request.request_id)
-                for sibling in seq.request.sequences:
-                    if sibling.status is not Status.FINISHED:
-                        sibling.finish_reason, sibling.stop_reason = "error", f"{type(e).__name__}: {e}"
-                        self.scheduler.finish(sibling)
+                self._fail(seq.request, f"{type(e).__name__}: {e}")
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        allowed = self._json_token_masks().allowed(seq.json_state) if seq.json_state is not None else None
+        return SamplingRow(seq.request.params, seq.request.prompt_ids, seq.output_ids, seq.generator,
+                           self.eos_token_ids, allowed)
+
+    def _fail(self, request: Request, message: str) -> None:
+        """End every unfinished sequence of request with finish_reason "error" and `message`."""
+        log.error("request %s failed: %s", request.request_id, message)
+        for seq in request.sequences:
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason, seq.stop_reason = "error", message
+                self.scheduler.finish(seq)
 
     def _json_token_masks(self) -> JsonTokenMasks:
         if self._json_masks is None:

@@ -40,7 +40,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generating", unit="prompt") as bar:
             while len(done) < len(ids):
-                for output in self.engine.step():
+                for output in self._step():
                     if output.finished:
                         done[output.request_id] = output
                         bar.update(1)
@@ -52,13 +52,21 @@ class LLM:
         (request_id,) = self._add_all([prompt], [params])
         try:
             while True:
-                for output in self.engine.step():
+                for output in self._step():
                     if output.request_id == request_id:
                         yield output
                         if output.finished:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a RuntimeError where nothing can run, since nothing else would ever change that."""
+        outputs = self.engine.step()
+        if self.engine.stalled and self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine cannot schedule any of its requests; this is a kestrel bug, "
+                               "please report it with the engine arguments used.")
+        return outputs
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
         """Queue every prompt, or none of them if any is invalid."""

@@ -164,9 +164,10 @@ class SampleResult:
 
 
 def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator on `device` seeded with `seed`, for one seeded request; it advances with each draw."""
+    """A generator on `device` (the logits' device) seeded with `seed` modulo 2**64 (as torch reads a negative
+    seed), for one seeded sequence; it advances with each draw."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)
     return generator
 
 

@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP server: routes, errors, auth, admission, streaming; the engine runs on its own thread.
+"""The OpenAI-compatible HTTP server: routes, errors, admission, streaming; the engine runs on its own thread.
 
 Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the right status: 400 for a bad
-body (naming the field) or a prompt past the context, 401 for a missing or wrong key, 404 for an unknown model,
-429 with Retry-After past --max-queued-requests, 503 while shutting down, 500 for a request the engine failed.
+body (naming the field), a prompt past the context or a request that can never run, 401 for a missing or wrong
+key, 404 for an unknown model, 408 past --request-timeout, 429 with Retry-After past --max-queued-requests or
+--max-concurrent-requests-per-key, 503 while shutting down, 500 for a request the engine failed (the others
+carry on).
 """
 
 from __future__ import annotations
@@ -18,58 +20,40 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from ..cookbook.web import site_files
-from ..engine.async_engine import AsyncEngine, RequestFailed
+from ..engine.async_engine import AsyncEngine, RequestFailed, RequestTimedOut
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
+from .access import KeyGate
 from .chat import (CONTENT, REASONING, THINK_CLOSE, THINK_OPEN, TOOL_ARGS, TOOL_NAME, TOOL_NAME_END, TOOL_OPEN,
-                   ReplyDelta, ReplyParser, render_chat)
+                   ChatTemplateError, ReplyDelta, ReplyParser, render_chat)
+from .errors import ApiError, error_response
 from .metrics import Metrics, RequestTimer
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, TokenizeRequest
+from .options import ServerOptions
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, SamplingFields,
+                       TokenizeRequest)
 from .responses import (chat_delta, chat_finish_reason, chat_logprobs, chat_message, completion_logprobs,
                         completion_tokens, new_id, now, usage)
-
-OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/cookbook", "/docs", "/openapi.json")
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's format."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-
-def error_response(error: ApiError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}}
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
-
 
 @dataclass
 class ServerState:
     engine: AsyncEngine
-    model_name: str
-    api_key: str | None
-    max_queued_requests: int | None
+    options: ServerOptions
     metrics: Metrics
     draining: bool = False
     cookbook_files: dict[str, tuple[bytes, str]] | None = None
 
+    @property
+    def model_name(self) -> str:
+        return self.options.model_name
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-               max_queued_requests: int | None = None) -> FastAPI:
+
+def create_app(engine: AsyncEngine, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="kestrel", description="OpenAI-compatible server for the Kimi K3 family")
-    state = ServerState(engine, model_name, api_key, max_queued_requests, Metrics(engine))
+    state = ServerState(engine, options, Metrics(engine))
+    model_name = options.model_name
     app.state.kestrel = state
     _install_error_handlers(app)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if state.api_key and not request.url.path.startswith(OPEN_PATHS):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return error_response(ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'.",
-                                               kind="authentication_error"))
-        return await call_next(request)
+    app.add_middleware(KeyGate, keys=options.api_keys, per_key_limit=options.max_concurrent_requests_per_key)
 
     @app.get("/health")
     async def health() -> dict:
@@ -110,7 +94,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         _check_model(state, body.model)
         tokenizer = _tokenizer(state)
         if body.messages is not None:
-            text = render_chat(tokenizer, body.messages, None, body.add_generation_prompt)
+            text = _render_chat(tokenizer, body.messages, None, body.add_generation_prompt)
             add_special = body.add_special_tokens
         elif body.prompt is not None:
             text, add_special = body.prompt, body.add_special_tokens
@@ -184,9 +168,9 @@ def _check_model(state: ServerState, model: str | None) -> None:
 def _admit(state: ServerState) -> None:
     if state.draining:
         raise ApiError(503, "the server is shutting down; retry against another replica.", kind="unavailable")
-    limit = state.max_queued_requests
+    limit = state.options.max_queued_requests
     if limit is not None:
-        queued = state.engine.num_requests - state.engine.stats().running
+        queued = state.engine.num_requests - state.engine.stats().running_requests
         if queued >= limit:
             raise ApiError(429, f"too many queued requests ({queued}); retry shortly.", kind="rate_limit_error",
                            headers={"Retry-After": "1"})
@@ -199,6 +183,21 @@ def _tokenizer(state: ServerState):
     return tokenizer
 
 
+def _render_chat(tokenizer, messages, tools, add_generation_prompt: bool = True) -> str:
+    try:
+        return render_chat(tokenizer, messages, tools, add_generation_prompt)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), "messages") from e
+
+
+def _sampling_params(body: SamplingFields, state: ServerState, *args, **kwargs) -> SamplingParams:
+    """body.sampling_params with the model's defaults; a combination SamplingParams refuses is a 400."""
+    try:
+        return body.sampling_params(state.engine.sampling_defaults, *args, **kwargs)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
+
+
 def _max_tokens(requested: int | None) -> int | None:
     return None if requested is None else max(requested, 1)
 
@@ -207,10 +206,13 @@ async def _outputs(state: ServerState, request_id: str, prompt, params: Sampling
                    priority: int) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request, with bad requests and engine failures turned into ApiErrors."""
     try:
-        async for output in state.engine.generate(request_id, prompt, params, priority):
+        async for output in state.engine.generate(request_id, prompt, params, priority,
+                                                  state.options.request_timeout):
             yield output
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from e
+    except RequestTimedOut as e:
+        raise ApiError(408, str(e), kind="timeout_error") from e
     except RequestFailed as e:
         raise ApiError(500, str(e), kind="server_error") from e
 
@@ -271,7 +273,7 @@ def _event_stream(chunks: AsyncIterator[str], timer: RequestTimer) -> StreamingR
 
 
 def _stream_error(error: ApiError) -> str:
-    return _sse({"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}})
+    return _sse(error.body())
 
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request):
@@ -281,8 +283,8 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens 0 only makes sense with echo.", "max_tokens")
     want_prompt_logprobs = body.echo and body.logprobs is not None
-    params = body.sampling_params(state.engine.sampling_defaults, _max_tokens(body.max_tokens), body.logprobs,
-                                  body.logprobs if want_prompt_logprobs else None)
+    params = _sampling_params(body, state, _max_tokens(body.max_tokens), body.logprobs,
+                              body.logprobs if want_prompt_logprobs else None)
     request_id = new_id("cmpl")
     streams = [_outputs(state, f"{request_id}-{i}", p, params, body.priority) for i, p in enumerate(prompts)]
     tokenizer, n = state.engine.tokenizer, body.n
@@ -381,7 +383,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
     if choice != "none" and not body.tools:
         raise ApiError(400, "tool_choice needs tools.", "tool_choice")
     tools = body.tools if choice != "none" else None
-    prompt = render_chat(tokenizer, body.messages, tools)
+    prompt = _render_chat(tokenizer, body.messages, tools)
     start = REASONING if prompt.endswith(THINK_OPEN) else CONTENT
     forced = choice not in ("none", "auto") or _json_mode(body)
     if not forced:
@@ -408,10 +410,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         raise ApiError(400, "response_format json_object cannot be combined with tool calls.", "response_format")
     prompt, start, forced = _chat_prompt(state, body)
     top = body.top_logprobs or 0
-    params = body.sampling_params(state.engine.sampling_defaults,
-                                  _max_tokens(body.max_completion_tokens or body.max_tokens),
-                                  top if body.logprobs else None, skip_special_tokens=False,
-                                  json_object=_json_mode(body))
+    params = _sampling_params(body, state, _max_tokens(body.max_completion_tokens or body.max_tokens),
+                              top if body.logprobs else None, skip_special_tokens=False, json_object=_json_mode(body))
     request_id = new_id("chatcmpl")
     stream = _outputs(state, request_id, prompt, params, body.priority)
     parsers = [ReplyParser(start, forced) for _ in range(body.n)]

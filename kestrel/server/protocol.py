@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.sampling import MODEL_DEFAULT_FIELDS, SamplingParams
 
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+"""An integer a request may send (token ids, priorities); values outside the field's own range are refused later."""
 
 
 class Schema(BaseModel):
@@ -25,25 +28,25 @@ class SamplingFields(Schema):
     """Fields shared by completions and chat, OpenAI's plus vLLM's extensions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0)       # None: the model's default, else 1
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=2**64 - 1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
 
     def sampling_params(self, model_defaults: dict[str, float], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, skip_special_tokens: bool | None = None,
@@ -63,8 +66,8 @@ class SamplingFields(Schema):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -130,7 +133,7 @@ class ResponseFormat(Schema):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
@@ -148,4 +151,4 @@ class TokenizeRequest(Schema):
 
 class DetokenizeRequest(Schema):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]

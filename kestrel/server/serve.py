@@ -1,7 +1,8 @@
 """`kestrel serve`: the engine on its thread, the app on uvicorn, and a graceful shutdown.
 
-The first SIGTERM or SIGINT starts draining: new requests get 503 while running ones finish, then the server
-exits. A second signal exits at once.
+The first SIGTERM or SIGINT starts draining: new requests get 503 while running ones finish, for at most
+--shutdown-timeout seconds; requests still running then are aborted (their responses end with finish_reason
+"abort") and the server exits. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from ..engine.args import EngineArgs
 from ..engine.async_engine import AsyncEngine
 from ..engine.engine import LLMEngine
 from .app import ServerState, create_app
+from .options import ServerOptions
 
 log = logging.getLogger("kestrel")
+ABORT_GRACE_S = 5.0
+"""How long aborted requests get, after the shutdown deadline, to send their last chunk."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,15 +40,27 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
     def _exit_when_idle(self) -> None:
-        while self.state.engine.num_requests > 0:
-            time.sleep(0.05)
+        engine = self.state.engine
+        if not _wait_until_idle(engine, self.state.options.shutdown_timeout):
+            log.warning("shutdown timeout: aborting %d requests still running", engine.num_requests)
+            engine.abort_all("the server shut down before this request finished (--shutdown-timeout).")
+            _wait_until_idle(engine, ABORT_GRACE_S)
         self.should_exit = True
 
 
-def serve(engine_args: EngineArgs, host: str, port: int, model_name: str | None, api_key: str | None,
-          max_queued_requests: int | None) -> None:
+def _wait_until_idle(engine: AsyncEngine, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for every request to finish; True if they did."""
+    deadline = time.monotonic() + timeout
+    while engine.num_requests > 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def serve(engine_args: EngineArgs, options: ServerOptions, host: str, port: int) -> None:
     engine = AsyncEngine(LLMEngine(engine_args))
-    app = create_app(engine, model_name or engine_args.model, api_key, max_queued_requests)
+    app = create_app(engine, options)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.kestrel)
     try:

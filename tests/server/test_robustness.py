@@ -3,39 +3,44 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
 
 import httpx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from server_helpers import LiveServer, start_kestrel_serve
 
 
-def test_sigterm_drains_running_requests_and_refuses_new_ones(model_folder):
-    process, url = start_kestrel_serve("--model", str(model_folder), "--served-model-name", "m")
+def test_sigterm_drains_then_aborts_what_outlives_the_shutdown_timeout(model_folder):
+    process, url = start_kestrel_serve("--model", str(model_folder), "--served-model-name", "m",
+                                       "--shutdown-timeout", "5")
     try:
-        lines: list[str] = []
-        started = threading.Event()
+        lines: dict[int, list[str]] = {8: [], 4000: []}     # by max_tokens: one drains, one outlives the drain
+        started = {n: threading.Event() for n in lines}
 
-        def stream() -> None:
-            body = {"prompt": "to be", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        def stream(max_tokens: int) -> None:
+            body = {"prompt": "to be", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
                 for line in response.iter_lines():
                     if line:
-                        lines.append(line)
-                        started.set()
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(30)
+                        lines[max_tokens].append(line)
+                        started[max_tokens].set()
+        readers = [threading.Thread(target=stream, args=(n,)) for n in lines]
+        for reader in readers:
+            reader.start()
+        assert all(event.wait(30) for event in started.values())
         process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "unavailable"
-        reader.join(60)
-        assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 2
+        for reader in readers:
+            reader.join(60)
+        finish = {n: json.loads(chunks[-2][6:])["choices"][0]["finish_reason"] for n, chunks in lines.items()}
+        assert finish == {8: "length", 4000: "abort"} and all(c[-1] == "data: [DONE]" for c in lines.values())
         assert process.wait(30) == 0
     finally:
         if process.poll() is None:
@@ -65,7 +70,9 @@ FIELDS = {
 }
 SHARED = {"max_tokens": st.one_of(st.integers(-1, 6), junk()), "temperature": junk(), "top_p": junk(),
           "top_k": junk(), "n": st.one_of(st.integers(-1, 3), junk()), "stop": junk(), "seed": junk(),
-          "stream": st.booleans(), "model": st.one_of(st.just("k3.1-tiny-test"), junk())}
+          "stream": st.booleans(), "model": st.one_of(st.just("k3.1-tiny-test"), junk()), "priority": junk(),
+          "stop_token_ids": junk(), "min_tokens": junk(), "min_p": junk(), "repetition_penalty": junk(),
+          "presence_penalty": junk(), "stream_options": st.one_of(st.just({"include_usage": True}), junk())}
 
 
 @st.composite
@@ -76,12 +83,19 @@ def requests(draw):
     return path, {name: draw(fields[name]) for name in chosen}
 
 
+FUZZ_EXAMPLES = int(os.environ.get("KESTREL_FUZZ_EXAMPLES", "150"))
+"""Examples per run: 150 in `make test`; tools/fuzz.sh runs thousands with fresh randomness."""
+
+
 def test_fuzzed_requests_never_get_5xx_and_the_server_survives(model_folder):
     live = LiveServer(model_folder, context_length=64)
     try:
         with live.client(timeout=30) as http:
-            @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
             @given(requests())
+            @example(("/v1/completions", {"prompt": "", "seed": 2**64}))           # were 500s
+            @example(("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}))
+            @example(("/v1/completions", {"prompt": "hi", "seed": 2**64 - 1, "n": 2}))
             def check(request):
                 path, body = request
                 response = http.post(path, content=json.dumps(body, default=str).encode(),

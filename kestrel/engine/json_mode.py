@@ -3,7 +3,8 @@
 A byte-level pushdown automaton tracks where the output stands in the JSON grammar (RFC 8259, top level an
 object). Before each sampling step, every vocabulary token is checked against the current state (masks are
 cached per state): a token is allowed if its bytes keep the text a valid prefix; EOS only once the object is
-complete. Bytes >= 0x80 are accepted inside strings only, as parts of UTF-8 characters. At most MAX_SPACE
+complete. Bytes >= 0x80 are accepted inside strings only, as well-formed UTF-8 (RFC 3629: no overlong forms,
+surrogates or code points past U+10FFFF), since a token may end inside a character. At most MAX_SPACE
 whitespace bytes may follow each other (room for indented output), so a model cannot stall in whitespace.
 """
 
@@ -21,7 +22,8 @@ _ESCAPES = frozenset(b'"\\/bfnrtu')
 _LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 
 # Modes. After a value, the enclosing container decides what may follow (AFTER).
-START, VALUE, KEY_OR_END, KEY, COLON, AFTER, VALUE_OR_END, STRING, ESCAPE, UNICODE, NUMBER, LITERAL, DONE = range(13)
+START, VALUE, KEY_OR_END, KEY, COLON, AFTER, VALUE_OR_END, STRING, ESCAPE, UNICODE, UTF8, NUMBER, LITERAL, DONE = \
+    range(14)
 # Number sub-states: which part was read last.
 MINUS, ZERO, INT, DOT, FRAC, EXP, EXP_SIGN, EXP_DIGITS = range(8)
 _NUMBER_COMPLETE = frozenset({ZERO, INT, FRAC, EXP_DIGITS})
@@ -30,7 +32,8 @@ _NUMBER_COMPLETE = frozenset({ZERO, INT, FRAC, EXP_DIGITS})
 @dataclass(frozen=True)
 class JsonState:
     """Where a text stands in the grammar. stack: "{" / "[" per open container; detail: mode-specific
-    (string: whether it is a key; unicode: hex digits left; number: sub-state; literal: bytes still expected)."""
+    (string: whether it is a key; unicode: (is key, hex digits left); utf8: (is key, the byte ranges the
+    character's remaining bytes must fall in); number: sub-state; literal: bytes still expected)."""
 
     mode: int = START
     stack: tuple[str, ...] = ()
@@ -58,7 +61,15 @@ def _step(s: JsonState, b: int) -> JsonState | None:
             return JsonState(COLON, s.stack) if s.detail else _after_value(s.stack)
         if b == ord("\\"):
             return JsonState(ESCAPE, s.stack, s.detail)
+        if b >= 0x80:
+            rest = _utf8_continuations(b)
+            return JsonState(UTF8, s.stack, (s.detail, rest)) if rest else None
         return s if b >= 0x20 else None
+    if mode == UTF8:
+        is_key, ((low, high), *rest) = s.detail
+        if not low <= b <= high:
+            return None
+        return JsonState(UTF8, s.stack, (is_key, tuple(rest))) if rest else JsonState(STRING, s.stack, is_key)
     if mode == ESCAPE:
         if b not in _ESCAPES:
             return None
@@ -117,6 +128,19 @@ def _value_start(stack: tuple[str, ...], b: int) -> JsonState | None:
         return JsonState(NUMBER, stack, ZERO if b == ord("0") else INT)
     if b in _LITERALS:
         return JsonState(LITERAL, stack, _LITERALS[b])
+    return None
+
+
+def _utf8_continuations(lead: int) -> tuple[tuple[int, int], ...] | None:
+    """The ranges of the bytes that must follow UTF-8 lead byte `lead` (RFC 3629's table), or None if it cannot
+    start a character."""
+    tail = (0x80, 0xBF)
+    if 0xC2 <= lead <= 0xDF:
+        return (tail,)
+    if 0xE0 <= lead <= 0xEF:
+        return ({0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F)}.get(lead, tail), tail)
+    if 0xF0 <= lead <= 0xF4:
+        return ({0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}.get(lead, tail), tail, tail)
     return None
 
 

@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kestrel import LLM, SamplingParams
@@ -48,6 +48,22 @@ def test_whatever_the_automaton_completes_json_parses(text):
         assert is_json_object(text)
     elif is_json_object(text) and not has_long_space and text.lstrip()[:1] == "{" and text.rstrip() == text:
         assert state is not None and state.complete, text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=8), st.text(max_size=4).map(str.encode)))
+@example(b"\xc3")                       # a lead byte whose character never ends: was accepted
+@example(b"\xff\xfe\x80")               # bytes that start no character: were accepted
+@example(b"\xed\xa0\x80")               # a surrogate
+@example(b"\xf0\x9f\x99\x82")           # U+1F642, four bytes
+def test_string_bytes_are_accepted_exactly_when_they_are_utf8(data):
+    text = b'{"a":"' + data.replace(b'"', b"").replace(b"\\", b"") + b'"}'
+    try:
+        valid = is_json_object(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        valid = False
+    state = advance(JsonState(), text)
+    assert (state is not None and state.complete) == valid
 
 
 @pytest.mark.parametrize("text", ['{"a":1,}', '{"a" 1}', '{a:1}', '[1]', '{"a":01}', '{"a":tru e}', '{"a":"\x01"}',

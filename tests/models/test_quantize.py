@@ -6,10 +6,9 @@ import torch
 
 from helpers import tiny_model
 from kestrel.cli import main
-from kestrel.layers.batch import ForwardBatch
 from kestrel.models.checkpoint import load_model, save_model
 from kestrel.models.quantize import quantize_experts
-from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
+from kestrel.quant import quantize_mxfp4
 
 
 def test_quantized_model_holds_the_quantized_experts_and_everything_else_unchanged():
@@ -22,13 +21,7 @@ def test_quantized_model_holds_the_quantized_experts_and_everything_else_unchang
     dense = dict(model.named_parameters())
     for name, p in quantized.named_parameters():
         assert torch.equal(p, dense[name])
-    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
-    batch = ForwardBatch.build([40])
-    with torch.no_grad():
-        a, b = model.compute_logits(model(ids, batch)), quantized.compute_logits(quantized(ids, batch))
-    assert 0 < (a - b).norm() / a.norm() < 0.5     # 4-bit noise through 4 random layers; uncorrelated logits give ~1.4
-    w = dequantize_mxfp4(experts.w1_packed, experts.w1_scale, torch.float32)
-    assert (w - original.w1).norm() / original.w1.norm() < 0.15
+    # what the quantized experts compute is checked against an independent OCP MX reference in tests/quant
 
 
 def test_quantize_experts_command(tmp_path):

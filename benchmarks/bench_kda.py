@@ -10,6 +10,7 @@ Run: .venv/bin/python benchmarks/bench_kda.py
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -99,6 +100,7 @@ def max_output_difference(call: KdaCall, reference: KdaCall, inputs: Inputs) -> 
 
 
 def main() -> None:
+    load_before = os.getloadavg()[0]
     transformers_chunk = load_transformers_chunk()
     implementations = {"kestrel": kestrel_chunk, "transformers": transformers_chunk,
                        "fla naive": load_fla_naive_chunk()}
@@ -119,6 +121,7 @@ def main() -> None:
                 print(" | ".join(rows[-1]), flush=True)
     table = markdown_table(header, rows)
     print(table)
+    load_after = os.getloadavg()[0]
     write_section("kda-chunked", f"""## KDA chunked (CPU, torch reference)
 
 kestrel's `ops.torch.kda.chunk_kda` against transformers' `chunk_kimi_delta_attention` (torch fallback) and
@@ -128,7 +131,8 @@ Median of {REPEATS['kestrel']} (kestrel) / {REPEATS['transformers']} (others) ca
 fwd+bwd backpropagates a fixed random output gradient to q, k, v, g, beta. All three compute in float32;
 bfloat16 rows feed bfloat16 q, k, v, beta.
 
-{machine()}
+{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores shared
+with other work, so compare the ratios, not the absolute times.
 
 {table}
 

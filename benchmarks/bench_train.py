@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from benchmarks import transformers_kimi_linear  # noqa: E402
 from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
 from corpus import load_corpus  # noqa: E402
-from tiny_config import SEQ_LEN, VOCAB_SIZE, text_config  # noqa: E402
+from tiny_config import SEQ_LEN, text_config  # noqa: E402
 from tiny_data import TrainingData  # noqa: E402
 from tiny_tokenizer import special_ids, train_tokenizer  # noqa: E402
 from train_tiny import Recipe, Trainer, new_model  # noqa: E402
@@ -55,27 +55,6 @@ def median_step_seconds(step: Callable[[int], None], first: int) -> float:
         step(i)
         times.append(time.perf_counter() - began)
     return statistics.median(times)
-
-
-def transformers_model(special: dict[str, int]):
-    """KimiLinearForCausalLM with the closest configuration to the bundled model that it can express."""
-    modeling = transformers_kimi_linear.load()
-    tiny = text_config(special)
-    linear = tiny["linear_attn_config"]
-    config = modeling.KimiLinearConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=tiny["hidden_size"], intermediate_size=tiny["intermediate_size"],
-        moe_intermediate_size=tiny["moe_intermediate_size"], num_hidden_layers=tiny["num_hidden_layers"],
-        num_attention_heads=tiny["num_attention_heads"], num_key_value_heads=tiny["num_attention_heads"],
-        kv_lora_rank=tiny["kv_lora_rank"], q_lora_rank=tiny["q_lora_rank"],
-        qk_nope_head_dim=tiny["qk_nope_head_dim"], qk_rope_head_dim=tiny["qk_rope_head_dim"],
-        v_head_dim=tiny["v_head_dim"], num_local_experts=tiny["num_experts"],
-        num_experts_per_tok=tiny["num_experts_per_token"], n_shared_experts=tiny["num_shared_experts"],
-        routed_scaling_factor=1.0, pad_token_id=special["[PAD]"], bos_token_id=special["[BOS]"],
-        eos_token_id=special["<|end_of_msg|>"],
-        linear_attn_config={k: linear[k] for k in ("num_heads", "head_dim", "short_conv_kernel_size", "kda_layers",
-                                                   "full_attn_layers")})
-    torch.manual_seed(0)
-    return modeling.KimiLinearForCausalLM(config).train()
 
 
 def transformers_step(model, data: TrainingData, batch_size: int) -> Callable[[int], None]:
@@ -118,7 +97,8 @@ def main() -> None:
     sparse_start = recipe.indexer_warmup_start + recipe.indexer_warmup_steps
     dense = median_step_seconds(kestrel_step(trainer, data, recipe.batch_size), 0)
     sparse = median_step_seconds(kestrel_step(trainer, data, recipe.batch_size), sparse_start)
-    theirs = median_step_seconds(transformers_step(transformers_model(special), data, recipe.batch_size), 0)
+    baseline = transformers_kimi_linear.closest_model(text_config(special))
+    theirs = median_step_seconds(transformers_step(baseline, data, recipe.batch_size), 0)
     load_after = os.getloadavg()[0]
     rows = [["kestrel `train_tiny` step, dense phase (next-token + MTP)", f"{dense:.2f}", f"{tokens / dense:,.0f}",
              f"{theirs / dense:.1f}x"],

@@ -1,18 +1,23 @@
-"""The one-command GPU benchmark, budgeted for 8 minutes on one H200: copy bandwidth, every Triton kernel against
-its torch reference, KDA prefill against fla's chunk_kda (when fla imports), and end-to-end decode and prefill of a
-Kimi-Linear-48B-shaped model with the fraction of the bandwidth bound reached.
+"""The one-command GPU benchmark, budgeted for 8.5 minutes on one H200: the serving engine's correctness checks on
+the bundled model (seeded sampling; decode replayed from CUDA graphs against eager decode at every captured batch
+size, token for token), copy bandwidth, every Triton kernel against its torch reference, KDA prefill against fla's
+chunk_kda (when fla imports), and end-to-end decode and prefill of a Kimi-Linear-48B-shaped model with the fraction
+of the bandwidth bound reached.
 
 Writes $OUT/gpu-results.json (every number, the device, the software, any section's error), $OUT/gpu-results.md
-(the tables, ready for docs/benchmarks.md) and, once decode was measured, an evidence record under $OUT/evidence/
-(copy it to evidence/ to put it in the cookbook's matrix); OUT defaults to ./gpu-results. The first two are
-rewritten after every section, so a run cut short keeps what it measured. A failing case is recorded and the run
-goes on; sections that would start past their time budget are recorded as skipped.
+(the section of docs/benchmarks.md) and, once decode was measured, an evidence record under $OUT/evidence/ (copy it
+to evidence/ to put it in the cookbook's matrix); OUT defaults to ./gpu-results. The first two are rewritten after
+every section, so a run cut short keeps what it measured. A failing case is recorded and the run goes on; sections
+that would start past their time budget are recorded as skipped.
 
 Run from the repository root: python3 benchmarks/gpu/run.py
+Then, on any machine: python3 benchmarks/gpu/run.py --write-doc gpu-results/gpu-results.json writes the "gpu"
+section of docs/benchmarks.md from those results (without a file, the section says the GPU is not measured).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,16 +32,30 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu import kernels, model  # noqa: E402
+from benchmarks.gpu import engine_checks, kernels, model  # noqa: E402
 from benchmarks.gpu.timing import copy_bandwidth_gbps  # noqa: E402
-from benchmarks.report import markdown_table  # noqa: E402
+from benchmarks.report import DOC, markdown_table, write_section  # noqa: E402
 from kestrel.cookbook.evidence import Record, fingerprint, git_state, now, software_versions, write_record  # noqa: E402
+from kestrel.ops import backend  # noqa: E402
 
 START = time.monotonic()
-KERNELS_UNTIL_S = 210
-"""No kernel case starts after this many seconds, nor the fla comparison after KERNELS_UNTIL_S + 30."""
-MODEL_UNTIL_S = 270
+KERNELS_UNTIL_S = 240
+"""No kernel case starts after this many seconds, nor the fla comparison after KERNELS_UNTIL_S + 30; the engine
+checks before them need about a minute."""
+MODEL_UNTIL_S = 300
 """The end-to-end section starts only before this many seconds (it needs about three minutes)."""
+COMMAND = "python3 benchmarks/gpu/run.py"
+NOT_MEASURED = ("## GPU (one H200): not measured\n\n"
+                "No GPU run has been made yet: no session with a GPU has run `{command}`, so this section has no "
+                "numbers. That one command (about 8.5 minutes on one H200) checks the serving engine on the bundled "
+                "model (seeded sampling on the GPU; decode replayed from CUDA graphs against eager decode at batch "
+                "sizes 1, 2, 4, 8 and 16, token for token), measures the device's copy bandwidth, every Triton kernel "
+                "against its torch reference (time, GB/s or TFLOP/s, error), KDA prefill against fla's `chunk_kda` "
+                "where fla imports, and decode of a Kimi-Linear-48B-shaped model (random bf16 weights, context 2,048) "
+                "at batch 1, 32 and 128, eagerly and from CUDA graphs, with the fraction of the bandwidth bound each "
+                "reaches, plus prefill throughput; then `{command} --write-doc gpu-results/gpu-results.json` writes "
+                "its tables here. Targets: decode at batch 1 at 80% or more of the bandwidth bound; KDA prefill at "
+                "least as fast as fla.").format(command=COMMAND)
 H200_SPEC_GBPS = 4800
 """H200 HBM3e bandwidth as specified; the bound uses the measured copy bandwidth, this is for reference."""
 
@@ -69,6 +88,14 @@ def environment() -> dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
+def engine_section() -> dict[str, Any]:
+    """The engine checks on the bundled model, each recorded (or its error) on its own."""
+    checks = {"seeded_sampling": attempt(lambda: engine_checks.seeded_sampling("cuda")),
+              "cuda_graphs": attempt(lambda: engine_checks.graphs_against_eager("cuda"))}
+    backend.set_backend(None)                        # the engines chose backends process-wide; back to the default
+    return checks
+
+
 def kernel_rows() -> Iterator[dict[str, Any]]:
     """Each kernel case's results, in turn."""
     for make in kernels.all_cases():
@@ -99,13 +126,46 @@ def model_section(bandwidth: float) -> dict[str, Any]:
     return attempt(lambda: model.run_model(bandwidth))
 
 
+def seeded_markdown(seeded: dict[str, Any]) -> str:
+    """The seeded-sampling check in one paragraph."""
+    if "passed" not in seeded:
+        return f"Seeded sampling: {seeded.get('skipped') or seeded.get('error')}."
+    how = (f"Seeded sampling (seed {seeded['seed']}, temperature 1, top-p 0.95, {seeded['new_tokens']} tokens): "
+           f"**{'passed' if seeded['passed'] else 'failed'}**")
+    failed = ", ".join(seeded["failed_runs"])
+    return (f"{how}; runs that failed: {failed or 'none'}; the same tokens alone, again and among unseeded "
+            f"requests: {'yes' if seeded['same_seed_same_tokens'] else 'no'}; seed {seeded['seed'] + 1} gives "
+            f"other tokens: {'yes' if seeded['other_seed_differs'] else 'no'}.")
+
+
+def engine_markdown(checks: dict[str, Any]) -> list[str]:
+    """The engine checks' lines: seeded sampling, then graphs against eager per captured batch size."""
+    lines = ["### Serving engine on the GPU (bundled k3.1-tiny)", "", seeded_markdown(checks["seeded_sampling"]), ""]
+    graphs = checks["cuda_graphs"]
+    if "rows" not in graphs:
+        return lines + [f"CUDA graphs against eager decode: {graphs.get('skipped') or graphs.get('error')}."]
+    rows = graphs["rows"]
+    lines += [f"Decode replayed from CUDA graphs against eager decode (`--disable-cuda-graph`), greedy, "
+              f"{rows[0]['new_tokens']} tokens per request, prompts of different lengths: "
+              f"**{'passed' if graphs['passed'] else 'failed'}**.", "", markdown_table(
+                  ["batch", "requests with equal tokens", "graph replays", "page-table widths captured",
+                   "max logprob diff", "verdict"],
+                  [[r["batch"], f"{r['equal_requests']}/{r['batch']}", r["replays"],
+                    ", ".join(map(str, r["widths"])), r["max_logprob_diff"], "passed" if r["passed"] else "FAILED"]
+                   for r in rows])]
+    return lines + [f"- batch {r['batch']}: request {r['first_mismatch']['request']} differs first at token "
+                    f"{r['first_mismatch']['token']}" for r in rows if r["first_mismatch"]]
+
+
 def markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
-    lines = [f"## GPU: Triton kernels and end-to-end decode ({env['device']})", "",
+    lines = [f"## GPU: the engine, Triton kernels and end-to-end decode ({env['device']})", "",
              f"{env['started']}; torch {env['versions']['torch']}, triton {env['versions']['triton']}; "
-             f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s (read + write; H200 spec {H200_SPEC_GBPS}).", ""]
+             f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s (read + write; H200 spec {H200_SPEC_GBPS}). "
+             f"Rerun: `{COMMAND}`, then `{COMMAND} --write-doc gpu-results/gpu-results.json`.", ""]
+    lines += engine_markdown(results["engine"])
     done = [r for r in results["kernels"] if "triton_ms" in r]
-    lines += ["### Kernels against the torch reference", "", markdown_table(
+    lines += ["", "### Kernels against the torch reference", "", markdown_table(
         ["op", "shape", "triton ms", "torch ms", "speedup", "GB/s", "TFLOP/s", "max rel. error"],
         [[r["op"], r["shape"], r["triton_ms"], r["torch_ms"], f"{r['speedup']}x", r["triton_gbps"],
           r["triton_tflops"], r["max_rel_error"]] for r in done])]
@@ -138,10 +198,10 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def evidence_record(e2e: dict[str, Any]) -> Record:
+def evidence_record(e2e: dict[str, Any], checks: dict[str, Any]) -> Record:
     """The end-to-end section as an evidence record of the Kimi-Linear-48B low-latency lane on this GPU: speed at
-    batch 1 (the whole decode table and the prefill inside). Random weights, so no accuracy check: the matrix
-    shows "Runs", never "Verified"."""
+    batch 1 (the whole decode table and the prefill inside), with the engine checks' verdicts. Random weights, so
+    no accuracy check: the matrix shows "Runs", never "Verified"."""
     hardware_id, hardware = fingerprint()
     single = e2e["decode"][0]
     return Record(
@@ -154,7 +214,8 @@ def evidence_record(e2e: dict[str, Any]) -> Record:
                                 "steps": model.DECODE_STEPS, "weights": "random"},
                    "output_tokens_per_s": single["tokens_per_s"], "concurrency": single["batch"],
                    "tpot_s": single["step_ms"] / 1e3, "fraction_of_bound": single["fraction_of_bound"],
-                   "decode": e2e["decode"], "prefill": e2e["prefill"]},
+                   "decode": e2e["decode"], "prefill": e2e["prefill"],
+                   "engine_checks": engine_checks.summary(checks)},
         accuracy=None)
 
 
@@ -164,15 +225,25 @@ def save(results: dict[str, Any], out: Path) -> None:
     (out / "gpu-results.md").write_text(markdown(results) + "\n")
 
 
-def main() -> None:
+def write_doc(results_path: Path | None, doc: Path = DOC) -> None:
+    """Write the "gpu" section of docs/benchmarks.md: a run's tables, or, without results, that none was made."""
+    write_section("gpu", markdown(json.loads(results_path.read_text())) if results_path else NOT_MEASURED, doc)
+
+
+def measure() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/run.py needs a CUDA device; run it on the GPU machine.")
     out = Path(os.environ.get("OUT") or "gpu-results")
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"environment": environment(), "kernels": [], "fla_prefill": {"skipped": "not run"},
-                               "model": {"skipped": "not run"}}
+                               "model": {"skipped": "not run"},
+                               "engine": {"seeded_sampling": {"skipped": "not run"},
+                                          "cuda_graphs": {"skipped": "not run"}}}
     results["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(), 1)
     print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s", flush=True)
+    save(results, out)
+    results["engine"] = engine_section()
+    print(json.dumps(results["engine"]), flush=True)
     save(results, out)
     for row in kernel_rows():
         results["kernels"].append(row)
@@ -184,8 +255,21 @@ def main() -> None:
     print(json.dumps(results["model"]), flush=True)
     save(results, out)
     if "decode" in results["model"]:
-        print(f"evidence: {write_record(evidence_record(results['model']), out / 'evidence')}", flush=True)
+        record = evidence_record(results["model"], results["engine"])
+        print(f"evidence: {write_record(record, out / 'evidence')}", flush=True)
     print(f"done in {results['seconds']} s; results in {out}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write-doc", nargs="?", const="", metavar="RESULTS", type=str,
+                        help="write docs/benchmarks.md's gpu section from a run's gpu-results.json (without a file: "
+                             "that no GPU run has been made) instead of measuring")
+    args = parser.parse_args(argv)
+    if args.write_doc is None:
+        measure()
+    else:
+        write_doc(Path(args.write_doc) if args.write_doc else None)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ measured. The verification matrix and the claims ledger are derived from these f
 
 A record holds the recipe id, the machine's hardware fingerprint and the catalog id it maps to, software
 versions, the git commit (and whether the tree had local changes), the exact command, the engine arguments, the
-benchmark results and the accuracy-style check.
+benchmark results and the accuracy check: a dict with at least "check" (its name), "value", "reference",
+"tolerance" (relative) and "passed", or None where nothing was checked (random weights).
 """
 
 from __future__ import annotations
@@ -54,6 +55,23 @@ class Record:
     @property
     def accuracy_passed(self) -> bool:
         return bool(self.accuracy and self.accuracy.get("passed"))
+
+    @property
+    def accuracy_summary(self) -> str:
+        """'heldout_perplexity 71.94 vs 71.94 (tolerance 0.1%) passed', or '' when nothing was checked."""
+        if not self.accuracy:
+            return ""
+        a = self.accuracy
+        verdict = "passed" if self.accuracy_passed else "failed"
+        return f"{a['check']} {a['value']:.2f} vs {a['reference']:.2f} (tolerance {a['tolerance']:.1%}) {verdict}"
+
+    @property
+    def provenance(self) -> str:
+        """'commit 1a2b3c4d5e6f', with ' (uncommitted changes)' when the tree was dirty, or 'no git commit'."""
+        commit = self.git.get("commit")
+        if not commit:
+            return "no git commit"
+        return f"commit {commit[:12]}" + (" (uncommitted changes)" if self.git.get("dirty") else "")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

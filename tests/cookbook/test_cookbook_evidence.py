@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kestrel.cookbook.evidence import DEFAULT_EVIDENCE_DIR, Record, load_records, read_record, write_record
+from kestrel.cookbook.evidence import (DEFAULT_EVIDENCE_DIR, Record, file_name, load_records, read_record,
+                                       write_record)
 from kestrel.cookbook.ledger import (CONSISTENT, CONTRADICTED, REPRODUCED, UNVERIFIED, claims, evaluate,
                                      ledger_rows)
 from kestrel.cookbook.matrix import NOT_VERIFIED, RUNS, VERIFIED, badge, matrix_rows
@@ -20,11 +21,12 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "cookbook"
 
 
 def record(recipe=CPU_RECIPE, hardware_id="cpu", speed=True, passed=True, created="2026-11-30T00:00:00Z"):
-    return Record(recipe=recipe, hardware_id=hardware_id, hardware={}, software={}, git={}, command="kestrel verify",
+    return Record(recipe=recipe, hardware_id=hardware_id, hardware={}, software={},
+                  git={"commit": "0123456789abcdef0123", "dirty": False}, command="kestrel verify",
                   created=created, engine_args={},
                   benchmark={"output_tokens_per_s": 12.5, "concurrency": 8} if speed else None,
-                  accuracy={"check": "greedy_parity_vs_full_forward", "positions": 8,
-                            "agreeing_positions": 8 if passed else 7, "passed": passed})
+                  accuracy={"check": "heldout_perplexity", "value": 71.94 if passed else 90.0, "reference": 71.94,
+                            "tolerance": 1e-3, "passed": passed})
 
 
 def test_badges_come_from_records_only():
@@ -83,14 +85,33 @@ def test_a_record_of_ours_reproduces_a_claim():
     assert "outside 10% of the claimed 50.0" in evaluate(claim, [record()]).reason
 
 
-def test_committed_evidence_verifies_the_cpu_rows():
+def test_summaries_name_the_check_and_the_commit():
+    [row] = matrix_rows([record()], [RecipeRequest.from_id(CPU_RECIPE)])
+    assert row.summary == ("12.5 output tok/s at concurrency 8; heldout_perplexity 71.94 vs 71.94 (tolerance 0.1%) "
+                           "passed; commit 0123456789ab (2026-11-30)")
+    dirty = record()
+    dirty.git["dirty"], dirty.accuracy = True, None
+    [row] = matrix_rows([dirty], [RecipeRequest.from_id(CPU_RECIPE)])
+    assert row.badge == RUNS
+    assert row.summary == "12.5 output tok/s at concurrency 8; commit 0123456789ab (uncommitted changes) (2026-11-30)"
+
+
+def test_committed_evidence_comes_from_committed_code_and_the_bundled_model():
+    """The CPU records: the bundled model's verifies its row by the card's perplexity; the other tiny models, which
+    have only random weights, record speed only; every record names a commit and none ran on a dirty tree."""
     records = load_records(DEFAULT_EVIDENCE_DIR)
-    assert {r.recipe for r in records} >= {"k3.1-tiny/cpu/unified/low-latency", "k3-tiny/cpu/unified/low-latency",
-                                          "kimi-linear-tiny/cpu/unified/low-latency"}
+    cpu = {r.recipe: r for r in records if r.hardware_id == "cpu"}
+    assert set(cpu) == {CPU_RECIPE, "k3-tiny/cpu/unified/low-latency", "kimi-linear-tiny/cpu/unified/low-latency"}
     for r in records:
-        assert r.git.get("commit") and r.command.startswith("kestrel verify ") and r.software["torch"]
-        assert r.accuracy["check"] == "greedy_parity_vs_full_forward" and "not a task accuracy" in \
-            r.accuracy["description"]
+        assert r.git.get("commit") and r.git.get("dirty") is False and r.software["torch"]
+    bundled = cpu.pop(CPU_RECIPE)
+    assert bundled.command.startswith("kestrel verify ") and bundled.engine_args["model"].startswith("the bundled")
+    assert bundled.accuracy["check"] == "heldout_perplexity" and bundled.accuracy_passed
+    assert bundled.accuracy["tokens"] == 2141 and abs(bundled.accuracy["relative_difference"]) <= 1e-3
+    for r in cpu.values():
+        assert r.engine_args["model"].startswith("random ") and r.accuracy is None
+    rows = {row.recipe: row.badge for row in matrix_rows(records)}
+    assert rows[CPU_RECIPE] == VERIFIED and rows["k3-tiny/cpu/unified/low-latency"] == RUNS
 
 
 def test_generated_docs_are_up_to_date(tmp_path):
@@ -105,4 +126,4 @@ def test_generated_docs_are_up_to_date(tmp_path):
 def test_records_are_plain_json():
     for path in DEFAULT_EVIDENCE_DIR.glob("*.json"):
         raw = json.loads(path.read_text())
-        assert raw["schema"] == "kestrel.evidence/1" and raw["hardware_id"] == "cpu"
+        assert raw["schema"] == "kestrel.evidence/1" and path.name == file_name(read_record(path))

@@ -112,11 +112,13 @@ def software_versions() -> dict[str, str]:
 
 
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """The checkout's commit and whether it has local changes (read-only git queries)."""
+    """The checkout's commit and whether it has local changes (read-only git queries). Changes under evidence/ do
+    not count: they are the records themselves, not code that ran."""
     def run(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout
     try:
-        return {"commit": run("rev-parse", "HEAD").strip(), "dirty": bool(run("status", "--porcelain").strip())}
+        changes = run("status", "--porcelain", "--", ".", f":(exclude){DEFAULT_EVIDENCE_DIR.name}")
+        return {"commit": run("rev-parse", "HEAD").strip(), "dirty": bool(changes.strip())}
     except (OSError, subprocess.CalledProcessError) as e:
         return {"commit": None, "error": f"not a git checkout ({e.__class__.__name__})"}
 

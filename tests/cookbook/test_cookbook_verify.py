@@ -48,6 +48,9 @@ def use_repo(repo, monkeypatch):
 
 def test_git_state_names_the_commit_and_local_changes(repo, tmp_path):
     assert git_state(repo) == {"commit": git(repo, "rev-parse", "HEAD"), "dirty": False}
+    (repo / "evidence").mkdir()
+    (repo / "evidence" / "record.json").write_text("{}")                 # records are not code that ran
+    assert not git_state(repo)["dirty"]
     (repo / "code.py").write_text("x = 2\n")
     assert git_state(repo)["dirty"]
     assert git_state(tmp_path / "elsewhere")["commit"] is None

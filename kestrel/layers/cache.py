@@ -77,7 +77,8 @@ class MLAPages:
 
 @dataclass
 class HybridCache:
-    """All caches of one model: `kda[i]` for the i-th KDA layer, `mla[j]` for the j-th MLA layer (MTP last)."""
+    """All caches of one model: `kda[i]` for the i-th KDA layer, `mla[j]` for the j-th MLA layer (then any MTP
+    layers allocated with pages)."""
 
     kda: list[KDAState]
     mla: list[MLAPages]
@@ -86,12 +87,15 @@ class HybridCache:
     @classmethod
     def allocate(cls, config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
-                 kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> HybridCache:
+                 kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 mtp_layers: int = 0) -> HybridCache:
         """Storage (uninitialised) for num_slots sequences' KDA state and num_pages pages of MLA cache.
 
         dtype: the conv state's (the model's activations); state_dtype: the recurrent state's; kv_dtype: the paged
-        cache's (default dtype; torch.float8_e4m3fn stores FP8 with a scale per token).
+        cache's (default dtype; torch.float8_e4m3fn stores FP8 with a scale per token). mtp_layers: how many of the
+        model's MTP layers get pages too (after the decoder's); serving runs none, only a drafter would.
         """
+        _check_mtp_layers(config, mtp_layers)
         hk = config.kda_num_heads * config.kda_head_dim
         kda = [KDAState(
             conv=torch.empty(num_slots, config.conv_kernel_size - 1, 3 * hk, dtype=dtype, device=device),
@@ -99,12 +103,11 @@ class HybridCache:
                                   dtype=state_dtype, device=device),
         ) for _ in config.kda_layers]
         rows, kv_dtype = num_pages * page_size, kv_dtype or dtype
-        num_mla = len(config.mla_layers) + config.num_nextn_predict_layers
         mla = [MLAPages(
             latent=PagedRows.allocate(rows, config.kv_cache_dim, kv_dtype, device),
             index_keys=(PagedRows.allocate(rows, config.index_head_dim, kv_dtype, device)
                         if config.has_indexer and j < len(config.mla_layers) else None),
-        ) for j in range(num_mla)]
+        ) for j in range(len(config.mla_layers) + mtp_layers)]
         return cls(kda=kda, mla=mla, page_size=page_size)
 
 
@@ -115,9 +118,17 @@ def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype, ssm_dtype: tor
     return len(config.kda_layers) * per_layer
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype) -> int:
-    """Latents (+ indexer keys) of every MLA layer, MTP layers included, for one token; FP8 adds a scale each."""
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: torch.dtype, mtp_layers: int = 0) -> int:
+    """Latents (+ indexer keys) of every MLA layer, and latents of the first mtp_layers MTP layers (none when
+    serving), for one token; FP8 adds a 4-byte scale to each vector. What HybridCache.allocate stores per row."""
+    _check_mtp_layers(config, mtp_layers)
     scale = 4 if kv_dtype == FP8 else 0
     latent = config.kv_cache_dim * kv_dtype.itemsize + scale
     keys = config.index_head_dim * kv_dtype.itemsize + scale if config.has_indexer else 0
-    return len(config.mla_layers) * (latent + keys) + config.num_nextn_predict_layers * latent
+    return len(config.mla_layers) * (latent + keys) + mtp_layers * latent
+
+
+def _check_mtp_layers(config: ModelConfig, mtp_layers: int) -> None:
+    if not 0 <= mtp_layers <= config.num_nextn_predict_layers:
+        raise ValueError(f"mtp_layers is {mtp_layers}, but the model has {config.num_nextn_predict_layers} MTP "
+                         "layers; cache between 0 and that many.")

@@ -117,6 +117,65 @@ def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+MAX_BS, MAX_PAGES = 12, 8               # captured sizes 1, 2, 4, 8, 12; up to 32 tokens a sequence
+ROUNDS = [12, 1, 3, 2, 8, 5]           # every size (3 padded to 4, 5 to 8); batch 1 right after 12
+DECODE_STEPS = 4
+
+
+def nan_filled_cache(model) -> HybridCache:
+    """MAX_BS slots + a scratch slot, MAX_BS * MAX_PAGES pages + a scratch page, all NaN: anything read before it is
+    written (a padding row's leftovers, an earlier round's tokens) would show."""
+    cache = HybridCache.allocate(model.config, MAX_BS + 1, MAX_BS * MAX_PAGES + 1, PAGE, dtype=torch.float32)
+    for state in cache.kda:
+        state.conv.fill_(float("nan"))
+        state.recurrent.fill_(float("nan"))
+    for pages in cache.mla:
+        for rows in (pages.latent, pages.index_keys):
+            if rows is not None:
+                rows.values.fill_(float("nan"))
+    return cache
+
+
+@torch.inference_mode()
+def test_every_captured_batch_size_decodes_the_dynamic_steps_greedy_tokens(restore_backends):
+    """Rounds of 1 to 12 fresh sequences of K3.1 (random prompts of 1-11 tokens, slots and pages out of order),
+    each decoding 4 greedy tokens twice: by dynamic steps, and by the padded static step of every captured size,
+    batch 1 included. Each path feeds back its own tokens; every sequence's tokens must agree, and the logits
+    closely. One set of graphs serves all rounds, as in the engine."""
+    backend.set_backend("torch")
+    model, _ = tiny_model("k3.1-tiny")
+    gen = torch.Generator().manual_seed(5)
+    slots = list(range(MAX_BS - 1, -1, -1))                          # slot MAX_BS is the scratch slot
+    pages = torch.randperm(MAX_BS * MAX_PAGES, generator=gen).view(MAX_BS, MAX_PAGES)
+    table = PageTable(MAX_BS + 1, MAX_PAGES, fill=MAX_BS * MAX_PAGES, device="cpu")   # that page is scratch
+    for slot, row in zip(slots, pages.tolist()):
+        table.set(slot, 0, row)
+    table.flush()
+    dynamic_cache, static_cache = nan_filled_cache(model), nan_filled_cache(model)
+    graphs = DecodeGraphs(model, static_cache, table, MAX_BS, scratch_slot=MAX_BS)
+    for n in ROUNDS:
+        prompts = [torch.randint(0, model.config.vocab_size, (int(length),), generator=gen).tolist()
+                   for length in torch.randint(1, 12, (n,), generator=gen)]
+        prefill = ForwardBatch.build([len(p) for p in prompts], None, slots[:n], pages[:n], PAGE)
+        ids, last = torch.tensor([t for p in prompts for t in p]), prefill.cu_seqlens[1:] - 1
+        firsts = [model.compute_logits(model(ids, prefill, cache)[last]).argmax(-1).tolist()
+                  for cache in (dynamic_cache, static_cache)]
+        dynamic, static = ([[t] for t in first] for first in firsts)
+        for step in range(DECODE_STEPS):
+            prefix = [len(p) + step for p in prompts]
+            width = max(x // PAGE + 1 for x in prefix)
+            batch = ForwardBatch.build([1] * n, prefix, slots[:n], pages[:n, :width], PAGE)
+            expected = model.compute_logits(model(torch.tensor([t[-1] for t in dynamic]), batch, dynamic_cache))
+            got = graphs.run([t[-1] for t in static], prefix, slots[:n], width)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"batch of {n}, step {step}: {m}")
+            for tokens, logits in ((dynamic, expected), (static, got)):
+                for seq_tokens, row in zip(tokens, logits):
+                    seq_tokens.append(int(row.argmax()))
+        assert static == dynamic, f"batch of {n}"
+    assert {size for size, _ in graphs.steps} == set(batch_sizes(MAX_BS)) == {1, 2, 4, 8, 12}
+
+
 @pytest.mark.parametrize("ops,syncs", [("triton", False), ("torch", True)])
 @torch.inference_mode()
 def test_the_captured_step_never_waits_on_the_device(ops, syncs, restore_backends):

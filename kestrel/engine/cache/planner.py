@@ -4,6 +4,7 @@ SGLang's semantics: the budget is mem_fraction_static of the device's memory; th
 is divided so that state bytes : KV bytes = mamba_full_memory_ratio, unless max_mamba_cache_size fixes the slots;
 max_total_tokens caps the KV pool.
 Every running sequence holds one state slot (no prefix cache yet), so the slots cap the concurrency.
+The KV pool caches the decoder's MLA layers only: the MTP layers get pages when a drafter runs them (mtp_layers).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class MemoryPlan:
     budget: int                   # device_memory * mem_fraction_static
     weight_bytes: int
     state_bytes_per_slot: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int       # the decoder's MLA layers, plus mtp_layers MTP layers
+    mtp_layers: int
     num_slots: int
     num_pages: int
     page_size: int
@@ -50,11 +52,12 @@ class MemoryPlan:
     def describe(self) -> str:
         """The start-up log block."""
         gib = 2**30
+        mtp = f" (MTP layers: {self.mtp_layers})" if self.mtp_layers else ""
         return "\n".join([
             f"memory plan: {self.budget / gib:.2f} GiB of {self.device_memory / gib:.2f} GiB; "
             f"weights {self.weight_bytes / gib:.3f} GiB",
-            f"  KV cache: {self.kv_bytes_per_token:,} B per token, {self.kv_tokens:,} tokens in {self.num_pages:,} "
-            f"pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)",
+            f"  KV cache: {self.kv_bytes_per_token:,} B per token{mtp}, {self.kv_tokens:,} tokens in "
+            f"{self.num_pages:,} pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)",
             f"  KDA state: {self.state_bytes_per_slot:,} B per slot, {self.num_slots:,} slots "
             f"({self.state_pool_bytes / gib:.3f} GiB)",
             f"  concurrency cap: {self.max_running_requests:,} running requests; context length "
@@ -70,8 +73,9 @@ def device_memory(device: torch.device) -> int:
 
 
 def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory: int, dtype: torch.dtype,
-                ssm_dtype: torch.dtype, kv_dtype: torch.dtype) -> MemoryPlan:
-    """Pool sizes for `memory` bytes of device memory (see the module docstring)."""
+                ssm_dtype: torch.dtype, kv_dtype: torch.dtype, mtp_layers: int = 0) -> MemoryPlan:
+    """Pool sizes for `memory` bytes of device memory (see the module docstring); mtp_layers: how many MTP
+    layers the engine runs (a drafter's; 0 when serving plainly), whose latents the KV pool must hold too."""
     fraction = args.mem_fraction_static or (0.85 if args.device.startswith("cuda") else 0.1)
     budget = int(memory * fraction)
     rest = budget - weight_bytes
@@ -80,7 +84,7 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
                               f"of {memory / 2**30:.2f} GiB leaves only {budget / 2**30:.2f} GiB; raise "
                               "--mem-fraction-static or use a device with more memory.")
     per_slot = state_bytes_per_slot(config, dtype, ssm_dtype)
-    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype, mtp_layers)
     if args.max_mamba_cache_size is not None:
         slots = args.max_mamba_cache_size
         kv_budget = rest - slots * per_slot
@@ -98,5 +102,5 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
     context = min(args.context_length or config.max_position_embeddings, pages * args.page_size)
     running = min(args.max_running_requests or slots, slots)
     return MemoryPlan(device_memory=memory, budget=budget, weight_bytes=weight_bytes, state_bytes_per_slot=per_slot,
-                      kv_bytes_per_token=per_token, num_slots=slots, num_pages=pages, page_size=args.page_size,
-                      max_running_requests=running, context_length=context)
+                      kv_bytes_per_token=per_token, mtp_layers=mtp_layers, num_slots=slots, num_pages=pages,
+                      page_size=args.page_size, max_running_requests=running, context_length=context)

@@ -119,7 +119,7 @@ class ModelFacts:
     @cache
     def latent_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
         """MLA latent cache (576 values per layer) of one token over `layers` (all when None)."""
-        plain = dataclasses.replace(self.config, index_topk=0, num_nextn_predict_layers=0)
+        plain = dataclasses.replace(self.config, index_topk=0)
         mla = self.config.mla_layers
         per_layer = _kv_bytes(plain, kv, row_scales) // len(mla) if mla else 0
         return per_layer * sum(1 for i in mla if layers is None or i in layers)
@@ -129,20 +129,16 @@ class ModelFacts:
         """Lightning-indexer keys of one token over `layers` (0 without an indexer)."""
         if not self.config.has_indexer:
             return 0
-        no_mtp = dataclasses.replace(self.config, num_nextn_predict_layers=0)
-        keys = _kv_bytes(no_mtp, kv, row_scales) - self.latent_bytes_per_token(kv, row_scales=row_scales)
+        keys = _kv_bytes(self.config, kv, row_scales) - self.latent_bytes_per_token(kv, row_scales=row_scales)
         mla = self.config.mla_layers
         return keys * sum(1 for i in mla if layers is None or i in layers) // len(mla)
 
     @cache
-    def kv_bytes_per_token(self, kv: str, layers: range | None = None, last: bool = True,
-                           row_scales: bool = False) -> int:
-        """Everything cached per token over `layers` (all when None): latents plus indexer keys, and the MTP
-        layers' latents when the range ends the model (`last`)."""
-        no_mtp = dataclasses.replace(self.config, num_nextn_predict_layers=0)
-        mtp = _kv_bytes(self.config, kv, row_scales) - _kv_bytes(no_mtp, kv, row_scales)
+    def kv_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
+        """Everything the decoder caches per token over `layers` (all when None): latents plus indexer keys. A
+        drafter's MTP pages are counted apart (calculator.draft_kv_bytes_per_token), as SGLang counts them."""
         return (self.latent_bytes_per_token(kv, layers, row_scales)
-                + self.index_key_bytes_per_token(kv, layers, row_scales) + (mtp if last else 0))
+                + self.index_key_bytes_per_token(kv, layers, row_scales))
 
 
 def _kv_bytes(config: ModelConfig, kv: str, row_scales: bool) -> int:

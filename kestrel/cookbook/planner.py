@@ -190,8 +190,8 @@ def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, sta
     results = []
     for s, stage in enumerate(stages):
         state = model.state_bytes_per_slot(settings.ssm_dtype, stage) // layout.attention_tp
-        kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, stage, s == len(stages) - 1,
-                                                                  settings.row_scales), layout.dcp, settings)
+        kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, stage, settings.row_scales),
+                                         layout.dcp, settings)
         rest = budget - sum(stage_weights[s].values())
         # A stage without KDA layers needs no state memory: one byte per slot stands for "free".
         results.append(size_pools(rest, ratio, max(state, 1), kv, slots, verify,

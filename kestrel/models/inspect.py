@@ -29,7 +29,7 @@ class ModelReport:
     routed_expert_params: int            # all routed experts
     mtp_params: int
     weight_bytes: dict[str, int]         # storage by format: bfloat16, float32, mxfp4 (values and scales)
-    kv_bytes_per_token: int              # MLA latents (+ indexer keys) of all MLA layers (MTP too), model dtype
+    kv_bytes_per_token: int              # MLA latents (+ indexer keys) of the decoder's MLA layers, model dtype
     state_bytes_per_sequence: int        # KDA recurrent state (fp32) + conv state (model dtype), all KDA layers
 
     def as_dict(self) -> dict:

@@ -18,7 +18,7 @@ def test_mtp_with_cache_equals_full_forward():
         hidden = model(seq[:-1], full_batch)
         expected = model.mtp_logits(hidden, seq[1:], full_batch)
 
-        cache = HybridCache.allocate(model.config, 1, 8, 4, dtype=torch.float32)
+        cache = HybridCache.allocate(model.config, 1, 8, 4, dtype=torch.float32, mtp_layers=1)
         table = torch.arange(8)[None]
         got = []
         for start, end in ((0, 20), *((i, i + 1) for i in range(20, 29))):

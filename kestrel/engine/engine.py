@@ -40,7 +40,7 @@ class LLMEngine:
         self.config = self.model.config
         if args.moe_mxfp8_activations:
             self._use_mxfp8_activations()
-        self.tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+        self.tokenizer = Tokenizer.from_folder_or_none(folder)
         if self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
         else:
@@ -104,7 +104,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
         if params.json_object and self.tokenizer is None:
-            raise ValueError(f"JSON mode needs the model's tokenizer.json, which {self.args.model} lacks.")
+            raise ValueError(f"JSON mode needs the model's tokenizer.json or tiktoken.model, which {self.args.model} "
+                             "lacks.")
         ids = self._prompt_ids(prompt)
         self._check_fits(ids, params)
         room = self.context_length - len(ids)
@@ -199,7 +200,8 @@ class LLMEngine:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.args.model} has no tokenizer.json, so prompts must be token ids.")
+                raise ValueError(f"{self.args.model} has no tokenizer.json or tiktoken.model, so prompts must be "
+                                 "token ids.")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)

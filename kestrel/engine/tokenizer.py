@@ -1,19 +1,27 @@
 """Text in and out of the engine: loads a model folder's tokenizer, encodes prompts, and streams generated text.
 
-`Tokenizer` wraps a Hugging Face `tokenizer.json` together with the special-token settings of
-`tokenizer_config.json` and `generation_config.json`. `IncrementalDetokenizer` turns the token ids a request
-generates, one at a time, into text that is safe to stream: it never emits half of a multi-byte character
-(byte-level BPE splits them across tokens) and never emits any part of a stop string.
+`Tokenizer` wraps a Hugging Face `tokenizers` object together with the special-token settings of
+`tokenizer_config.json` and `generation_config.json`. The vocabulary comes from the folder's `tokenizer.json`,
+or else from Kimi's `tiktoken.model`, converted at load into the same kind of object (kimi_tokenizer.py), so
+everything after loading has one code path. `IncrementalDetokenizer` turns the token ids a request generates, one
+at a time, into text that is safe to stream: it never emits half of a multi-byte character (byte-level BPE splits
+them across tokens) and never emits any part of a stop string.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+from . import kimi_tokenizer
+from .byte_level import BYTE_OF_CHAR
+from .kimi_tokenizer import TIKTOKEN_FILE
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -27,13 +35,27 @@ class TokenizerError(ValueError):
     """A model folder whose tokenizer files are missing, unreadable or inconsistent; the message names the file."""
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """A folder's vocabulary as loaded: the backend, the ids it treats as special tokens, how encode cuts text
+    before the backend sees it, and the file it came from (named in errors)."""
+
+    backend: tokenizers.Tokenizer
+    special_ids: frozenset[int]
+    text_pieces: Callable[[str], Iterable[str]]
+    file: str
+
+
 class Tokenizer:
-    """A model's tokenizer: `tokenizer.json` for the vocabulary, the configs for BOS, EOS, padding and chat."""
+    """A model's tokenizer: tokenizer.json or tiktoken.model for the vocabulary, the configs for BOS, EOS, padding
+    and chat."""
 
     def __init__(self, backend: tokenizers.Tokenizer, *, vocab_size: int, bos_token_id: int | None,
                  eos_token_ids: list[int], pad_token_id: int | None, special_ids: frozenset[int], add_bos_token: bool,
-                 chat_template: str | None):
+                 chat_template: str | None, text_pieces: Callable[[str], Iterable[str]]):
         self._backend = backend
+        self._text_pieces = text_pieces
+        self._encode_lock = threading.Lock()      # encode flips the backend's encode_special_tokens switch
         self.vocab_size = vocab_size            # one more than the highest token id
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
@@ -44,20 +66,22 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` (required), `tokenizer_config.json` and `generation_config.json` (optional).
+        """Load the vocabulary (`tokenizer.json`, else `tiktoken.model`; one is required), `tokenizer_config.json`
+        and `generation_config.json` (optional).
 
         EOS ids are the config's `eos_token` followed by generation_config's `eos_token_id` (an int or a list),
         without repeats. BOS and padding come from tokenizer_config, else from generation_config.
         """
         folder = Path(folder)
-        backend = _load_backend(folder / TOKENIZER_FILE)
         config = load_json_object(folder / TOKENIZER_CONFIG_FILE)
         generation = load_json_object(folder / GENERATION_CONFIG_FILE)
+        vocabulary = _load_vocabulary(folder, config)
+        backend = vocabulary.backend
         vocab_size = 1 + max(backend.get_vocab(with_added_tokens=True).values())
 
         def config_token(key: str) -> int | None:
             content = _token_content(config.get(key))
-            return None if content is None else _known_token(backend, content, f"{TOKENIZER_CONFIG_FILE} {key}")
+            return None if content is None else _known_token(vocabulary, content, f"{TOKENIZER_CONFIG_FILE} {key}")
 
         def generation_ids(key: str) -> list[int]:
             return _checked_ids(generation.get(key), vocab_size, f"{GENERATION_CONFIG_FILE} {key}")
@@ -73,14 +97,28 @@ class Tokenizer:
             raise TokenizerError(f"{folder / TOKENIZER_CONFIG_FILE} sets add_bos_token but names no bos_token; "
                                  "add a bos_token or set add_bos_token to false.")
         named = [i for i in (bos, pad, *eos_ids) if i is not None]
-        special = _special_ids(backend, config) | frozenset(named)
+        special = _special_ids(vocabulary, config) | frozenset(named)
         return cls(backend, vocab_size=vocab_size, bos_token_id=bos, eos_token_ids=eos_ids, pad_token_id=pad,
-                   special_ids=special, add_bos_token=add_bos, chat_template=_chat_template(config, folder))
+                   special_ids=special, add_bos_token=add_bos, chat_template=_chat_template(config, folder),
+                   text_pieces=vocabulary.text_pieces)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (special tokens written in it are recognised); with `add_special_tokens`, BOS is
-        prepended iff `add_bos_token`, unless the text already starts with it (e.g. from a chat template)."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+    @classmethod
+    def from_folder_or_none(cls, folder: str | Path) -> Tokenizer | None:
+        """`from_folder`, or None when the folder has neither tokenizer.json nor tiktoken.model."""
+        folder = Path(folder)
+        if not (folder / TOKENIZER_FILE).is_file() and not (folder / TIKTOKEN_FILE).is_file():
+            return None
+        return cls.from_folder(folder)
+
+    def encode(self, text: str, add_special_tokens: bool = True, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in it are recognised when `allow_special`, and otherwise
+        encoded as the text they spell (as tiktoken's `disallowed_special=()`; with a tokenizer.json this covers the
+        added tokens it marks special). With `add_special_tokens`, BOS is prepended iff `add_bos_token`, unless
+        the text already starts with it (e.g. from a chat template)."""
+        with self._encode_lock:
+            self._backend.encode_special_tokens = not allow_special
+            ids = [i for piece in self._text_pieces(text)
+                   for i in self._backend.encode(piece, add_special_tokens=False).ids]
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -103,24 +141,8 @@ class Tokenizer:
         if piece is None:
             return None
         if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
-            return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+            return bytes(BYTE_OF_CHAR[ch] for ch in piece)
         return self.token_text(token_id).encode()
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class IncrementalDetokenizer:
@@ -224,10 +246,17 @@ class IncrementalDetokenizer:
         return longest
 
 
-def _load_backend(path: Path) -> tokenizers.Tokenizer:
-    if not path.is_file():
-        raise TokenizerError(f"No {TOKENIZER_FILE} in {path.parent}; point at a model folder that has a "
-                             "Hugging Face tokenizer.json.")
+def _load_vocabulary(folder: Path, config: dict[str, Any]) -> Vocabulary:
+    """The folder's tokenizer.json, else its tiktoken.model with the reserved tokens config names."""
+    if (folder / TOKENIZER_FILE).is_file():
+        return _load_tokenizer_json(folder / TOKENIZER_FILE)
+    if (folder / TIKTOKEN_FILE).is_file():
+        return _load_tiktoken(folder / TIKTOKEN_FILE, config.get("added_tokens_decoder", {}))
+    raise TokenizerError(f"No {TOKENIZER_FILE} or {TIKTOKEN_FILE} in {folder}; point at a model folder that has "
+                         "one of them.")
+
+
+def _load_tokenizer_json(path: Path) -> Vocabulary:
     try:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:      # the Rust library raises a bare Exception for any unreadable file
@@ -235,7 +264,35 @@ def _load_backend(path: Path) -> tokenizers.Tokenizer:
                              "re-download or re-export it.") from err
     if backend.get_vocab_size(with_added_tokens=True) == 0:
         raise TokenizerError(f"{path} has an empty vocabulary; re-download or re-export it.")
-    return backend
+    special = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return Vocabulary(backend, special, _whole_text, TOKENIZER_FILE)
+
+
+def _whole_text(text: str) -> tuple[str]:
+    return (text,)
+
+
+def _load_tiktoken(path: Path, added_tokens_decoder: Any) -> Vocabulary:
+    """Kimi's tiktoken ranks and reserved tokens as a byte-level BPE (see kimi_tokenizer.py)."""
+    try:
+        ranks = kimi_tokenizer.parse_ranks(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise TokenizerError(f"{path} is not a valid tiktoken file ({_first_line(err)}); re-download it.") from err
+    if not isinstance(added_tokens_decoder, dict):
+        raise TokenizerError(f"{path.parent / TOKENIZER_CONFIG_FILE} added_tokens_decoder must be a JSON object; "
+                             "fix it.")
+    try:
+        reserved = kimi_tokenizer.reserved_tokens(len(ranks), added_tokens_decoder)
+    except ValueError as err:
+        raise TokenizerError(f"{path.parent / TOKENIZER_CONFIG_FILE} does not fit {TIKTOKEN_FILE}: {err}; fix "
+                             "its added_tokens_decoder.") from err
+    try:
+        backend = kimi_tokenizer.bpe_backend(ranks, reserved)
+    except ValueError as err:
+        raise TokenizerError(f"{path} cannot be served as a byte-level BPE ({err}); kestrel cannot load this "
+                             "vocabulary.") from err
+    special = frozenset(token.id for token in reserved if token.special)
+    return Vocabulary(backend, special, kimi_tokenizer.text_pieces, TIKTOKEN_FILE)
 
 
 def load_json_object(path: Path) -> dict[str, Any]:
@@ -261,10 +318,10 @@ def _token_content(value: Any) -> str | None:
     return content if isinstance(content, str) else None
 
 
-def _known_token(backend: tokenizers.Tokenizer, content: str, where: str) -> int:
-    token_id = backend.token_to_id(content)
+def _known_token(vocabulary: Vocabulary, content: str, where: str) -> int:
+    token_id = vocabulary.backend.token_to_id(content)
     if token_id is None:
-        raise TokenizerError(f"{where} is {content!r}, which is not in {TOKENIZER_FILE}; use a token it has.")
+        raise TokenizerError(f"{where} is {content!r}, which is not in {vocabulary.file}; use a token it has.")
     return token_id
 
 
@@ -278,17 +335,17 @@ def _checked_ids(value: Any, vocab_size: int, where: str) -> list[int]:
     return ids
 
 
-def _special_ids(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> frozenset[int]:
-    """Ids marked special in tokenizer.json's added tokens, in tokenizer_config's added_tokens_decoder, or listed
+def _special_ids(vocabulary: Vocabulary, config: dict[str, Any]) -> frozenset[int]:
+    """Ids the vocabulary treats as special, marked special in tokenizer_config's added_tokens_decoder, or listed
     in its additional_special_tokens."""
-    ids = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    ids = set(vocabulary.special_ids)
     for key, token in config.get("added_tokens_decoder", {}).items():
         if isinstance(token, dict) and token.get("special"):
             ids.add(int(key))
     for token in config.get("additional_special_tokens", []):
         content = _token_content(token)
         if content is not None:
-            ids.add(_known_token(backend, content, f"{TOKENIZER_CONFIG_FILE} additional_special_tokens"))
+            ids.add(_known_token(vocabulary, content, f"{TOKENIZER_CONFIG_FILE} additional_special_tokens"))
     return frozenset(ids)
 
 

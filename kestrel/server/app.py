@@ -179,7 +179,8 @@ def _admit(state: ServerState) -> None:
 def _tokenizer(state: ServerState):
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer.json; send token ids to /v1/completions.")
+        raise ApiError(400, "this model has no tokenizer.json or tiktoken.model; send token ids to "
+                           "/v1/completions.")
     return tokenizer
 
 

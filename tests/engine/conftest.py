@@ -64,3 +64,14 @@ def narrow_experts_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("narrow-experts")
     write_model(folder, "kimi-linear-tiny", moe_intermediate_size=40)
     return folder
+
+
+@pytest.fixture(scope="session")
+def k3_replica_dir(tmp_path_factory):
+    """A small replica of a published Kimi K3 checkpoint folder: K3's config layout, bf16 shards with an index,
+    tiktoken.model with the published special-token table, no tokenizer.json (tests/replica.py)."""
+    from replica import write_k3_replica
+
+    folder = tmp_path_factory.mktemp("k3-replica")
+    write_k3_replica(folder)
+    return folder

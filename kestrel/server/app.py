@@ -24,13 +24,12 @@ from ..engine.async_engine import AsyncEngine, RequestFailed, RequestTimedOut
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
 from .access import KeyGate
-from .chat import (CONTENT, REASONING, THINK_CLOSE, THINK_OPEN, TOOL_ARGS, TOOL_NAME, TOOL_NAME_END, TOOL_OPEN,
-                   ChatTemplateError, ReplyDelta, ReplyParser, render_chat)
+from .chat import ChatPrompt, ChatTemplateError, ReplyDelta, ReplyParser, prompt_ids, render_chat
 from .errors import ApiError, error_response
 from .metrics import Metrics, RequestTimer
 from .options import ServerOptions
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, SamplingFields,
-                       TokenizeRequest)
+from .protocol import (ChatCompletionRequest, ChatTemplateFields, CompletionRequest, DetokenizeRequest, Message,
+                       NamedToolChoice, SamplingFields, TokenizeRequest)
 from .responses import (chat_delta, chat_finish_reason, chat_logprobs, chat_message, completion_logprobs,
                         completion_tokens, new_id, now, usage)
 
@@ -94,13 +93,12 @@ def create_app(engine: AsyncEngine, options: ServerOptions) -> FastAPI:
         _check_model(state, body.model)
         tokenizer = _tokenizer(state)
         if body.messages is not None:
-            text = _render_chat(tokenizer, body.messages, None, body.add_generation_prompt)
-            add_special = body.add_special_tokens
+            prompt = _chat_prompt(state, body, body.messages, body.add_generation_prompt)
+            ids = prompt_ids(tokenizer, prompt, body.add_special_tokens)
         elif body.prompt is not None:
-            text, add_special = body.prompt, body.add_special_tokens
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise ApiError(400, "give either prompt or messages.", "prompt")
-        ids = tokenizer.encode(text, add_special_tokens=add_special)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.context_length}
 
     @app.post("/detokenize")
@@ -184,9 +182,9 @@ def _tokenizer(state: ServerState):
     return tokenizer
 
 
-def _render_chat(tokenizer, messages, tools, add_generation_prompt: bool = True) -> str:
+def _render_chat(tokenizer, messages: list[Message], **options) -> ChatPrompt:
     try:
-        return render_chat(tokenizer, messages, tools, add_generation_prompt)
+        return render_chat(tokenizer, messages, **options)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), "messages") from e
 
@@ -377,45 +375,39 @@ async def _collect(state: ServerState, streams: list[AsyncIterator[RequestOutput
     return finals
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, str, str | None]:
-    """The rendered prompt, the reply parser's start state and the forced tool name (tool_choice)."""
-    tokenizer = _tokenizer(state)
+def _chat_prompt(state: ServerState, body: ChatTemplateFields, messages: list[Message],
+                 add_generation_prompt: bool = True) -> ChatPrompt:
+    """The rendered chat, with the start of the reply that tool_choice (required or named) and JSON mode force;
+    the same for a chat request and for /tokenize."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if choice != "none" and not body.tools:
         raise ApiError(400, "tool_choice needs tools.", "tool_choice")
-    tools = body.tools if choice != "none" else None
-    prompt = _render_chat(tokenizer, body.messages, tools)
-    start = REASONING if prompt.endswith(THINK_OPEN) else CONTENT
-    forced = choice not in ("none", "auto") or _json_mode(body)
-    if not forced:
-        return prompt, start, None
-    if start == REASONING:                    # a forced tool call or JSON mode skips the reasoning
-        prompt += THINK_CLOSE
-    if choice in ("none", "auto"):
-        return prompt, CONTENT, None
-    if choice == "required":
-        return prompt + TOOL_OPEN, TOOL_NAME, None
-    assert isinstance(choice, NamedToolChoice)
-    name = choice.function.get("name", "")
-    if name not in {t.function.name for t in body.tools}:
-        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
-    return prompt + TOOL_OPEN + name + TOOL_NAME_END, TOOL_ARGS, name
+    name = None
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.get("name", "")
+        if name not in {t.function.name for t in body.tools}:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
+    return _render_chat(_tokenizer(state), messages, tools=body.tools, tool_choice=None if name else choice,
+                        tool_name=name, json_mode=_json_mode(body), reasoning_effort=body.reasoning_effort,
+                        response_format=body.response_format, add_generation_prompt=add_generation_prompt)
 
 
-def _json_mode(body: ChatCompletionRequest) -> bool:
+def _json_mode(body: ChatTemplateFields) -> bool:
     return body.response_format is not None and body.response_format.type == "json_object"
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+    if body.response_format is not None and body.response_format.type == "json_schema":
+        raise ApiError(400, "response_format json_schema is not supported yet; use json_object.", "response_format")
     if _json_mode(body) and body.tools and body.tool_choice not in (None, "none"):
         raise ApiError(400, "response_format json_object cannot be combined with tool calls.", "response_format")
-    prompt, start, forced = _chat_prompt(state, body)
+    prompt = _chat_prompt(state, body, body.messages)
     top = body.top_logprobs or 0
     params = _sampling_params(body, state, _max_tokens(body.max_completion_tokens or body.max_tokens),
                               top if body.logprobs else None, skip_special_tokens=False, json_object=_json_mode(body))
     request_id = new_id("chatcmpl")
-    stream = _outputs(state, request_id, prompt, params, body.priority)
-    parsers = [ReplyParser(start, forced) for _ in range(body.n)]
+    stream = _outputs(state, request_id, prompt_ids(state.engine.tokenizer, prompt), params, body.priority)
+    parsers = [ReplyParser(prompt.reply_start) for _ in range(body.n)]
     tokenizer = state.engine.tokenizer
     timer = RequestTimer(state.metrics)
 

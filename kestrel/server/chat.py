@@ -1,22 +1,34 @@
-"""Chat: rendering messages with the model's template, and parsing the model's reply into reasoning, content
-and tool calls, incrementally, as it streams.
+"""Chat: rendering a conversation into the prompt, and parsing the model's reply into reasoning, content and tool
+calls, incrementally, as it streams.
 
-The K3 family writes messages in "XTML" (model-spec section 10). The reply to a generation prompt, which ends
-with `<|open|>think<|sep|>`, is laid out as
+Rendering: a model folder's own chat template (tokenizer_config.json `chat_template` or `chat_template.jinja`) is
+used where one is shipped; otherwise the conversation is written in K3's XTML as Moonshot's Python renderer writes
+it (xtml.py), as the published checkpoints expect. kestrel's bundled model ships XTML_CHAT_TEMPLATE, an older XTML
+dialect (a top-level `tools` element, no response channel, `<|open|>tool_call name="NAME"<|sep|>JSON<|close|>
+tool_call<|sep|>` calls), so prompts from a folder template are continued in that dialect when kestrel forces the
+start of a reply (JSON mode, tool_choice required or named), and in K3's otherwise.
 
-    REASONING <|close|>think<|sep|> CONTENT
-    <|open|>tool_call name="NAME"<|sep|>ARGUMENTS<|close|>tool_call<|sep|>   (zero or more)
-    <|close|>message<|sep|>
+Parsing: the prompt ends with the opened assistant message, `<|open|>think<|sep|>` when thinking (else
+`<|open|>response<|sep|>`), and the reply continues it (xtml.py shows the layout):
 
-and ends with `<|end_of_msg|>` (the EOS). The think-closing marker is optional in practice: a tool call that
-starts while the reply is still in its reasoning ends the reasoning instead of being lost.
+    REASONING <|close|>think<|sep|> <|open|>response<|sep|> CONTENT <|close|>response<|sep|>
+    <|open|>tools<|sep|> <|open|>call tool="NAME" index="1"<|sep|> ARGUMENT ELEMENTS <|close|>call<|sep|> ...
+    <|close|>tools<|sep|> <|close|>message<|sep|>
 
-XTML_CHAT_TEMPLATE is the jinja chat template that writes this format (kestrel's bundled model ships it).
+ReplyParser reads both dialects with one set of rules: markers are elements that open and close; text goes to
+the channel of the innermost open element (think: reasoning; response or the message itself: content; a call:
+its arguments). A call's argument elements are streamed as one JSON object, `{"KEY": VALUE, ...}` exactly as
+`json.dumps(arguments, ensure_ascii=False)` writes it (string values as they arrive, other values when their
+element closes); a json element's text, or text written straight into a call, is passed on as it is. A marker
+that skips ahead closes what it skips (a tools section opened while thinking ends the reasoning); a well-formed
+marker is never shown as text, even where it has no place; `<|open|>` or `<|close|>` that begins no well-formed
+marker is text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,37 +37,100 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine.tokenizer import Tokenizer
-from .protocol import Message, Tool
+from . import xtml
+from .protocol import Message, ResponseFormat, Tool
+from .xtml import CLOSE, OPEN, SEP, Segment
 
 XTML_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+"""The chat template of kestrel's bundled model (its older XTML dialect)."""
 
-THINK_OPEN = "<|open|>think<|sep|>"
-THINK_CLOSE = "<|close|>think<|sep|>"
-TOOL_OPEN = '<|open|>tool_call name="'
-TOOL_NAME_END = '"<|sep|>'
-TOOL_CLOSE = "<|close|>tool_call<|sep|>"
-MESSAGE_CLOSE = "<|close|>message<|sep|>"
+THINK_OPEN, THINK_CLOSE = f"{OPEN}think{SEP}", f"{CLOSE}think{SEP}"
+RESPONSE_OPEN = f"{OPEN}response{SEP}"
+BUNDLED_CALL_OPEN = f'{OPEN}tool_call name="'
 
-REASONING, CONTENT, TOOL_NAME, TOOL_ARGS, DONE = "reasoning", "content", "tool_name", "tool_args", "done"
+MESSAGE, THINK, RESPONSE, TOOLS, CALL, ARGUMENT, JSON_BLOCK, BUNDLED_CALL = (
+    "message", "think", "response", "tools", "call", "argument", "json", "tool_call")
+_CHILDREN = {MESSAGE: (THINK, RESPONSE, TOOLS, BUNDLED_CALL), TOOLS: (CALL,), CALL: (ARGUMENT, JSON_BLOCK)}
+_IMPLIED_PARENT = {CALL: TOOLS}           # a call written outside a tools section opens one
+_CALL_NAME = {CALL: "tool", BUNDLED_CALL: "name"}
+_CONTENT_CHANNELS = (MESSAGE, RESPONSE)
+_ARGUMENT_CHANNELS = (CALL, JSON_BLOCK, BUNDLED_CALL)
+
+MAX_TAG = 512
+"""The longest marker body (name and attributes) read as a marker; a longer one is text."""
+_OPEN_BODY = re.compile(r'([A-Za-z_][\w-]*)((?:\s+[\w-]+="[^"]*")*)\s*')
+_CLOSE_BODY = re.compile(r"[A-Za-z_][\w-]*")
+_ATTRIBUTE = re.compile(r'([\w-]+)="([^"]*)"')
 
 
 class ChatTemplateError(ValueError):
-    """The messages cannot be rendered with this model's chat template."""
+    """The messages cannot be rendered for this model."""
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[Message], tools: list[Tool] | None,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (and the tool definitions) under the model folder's jinja chat template."""
-    if not tokenizer.chat_template:
-        raise ChatTemplateError("this model has no chat template; use /v1/completions with a plain prompt.")
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat: its segments, and the part of the reply the prompt already wrote (the opened assistant
+    message's first channel, and any start kestrel forced), which the reply parser reads first."""
+
+    segments: list[Segment]
+    reply_start: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[Message], *, tools: list[Tool] | None = None,
+                tool_choice: str | None = None, tool_name: str | None = None, json_mode: bool = False,
+                reasoning_effort: str | None = None, response_format: ResponseFormat | None = None,
+                add_generation_prompt: bool = True) -> ChatPrompt:
+    """The prompt for `messages` under the folder's chat template, else K3's renderer.
+
+    tool_choice: "none", "auto" or "required"; tool_name: a tool the reply must call (a named tool_choice);
+    json_mode: the reply is a JSON object, so it starts in the content channel. A forced reply skips the reasoning.
+    reasoning_effort: OpenAI's field (None: K3's default, max; "none": thinking off); K3's renderer writes it,
+    a folder template gets it as the variable `reasoning_effort`.
+    """
+    force_call = tool_choice == "required" or tool_name is not None
+    if tokenizer.chat_template:
+        text = _render_template(tokenizer.chat_template, messages, tools if tool_choice != "none" else None,
+                                add_generation_prompt, reasoning_effort)
+        opened = _opened_channel(text) if add_generation_prompt else ""
+        forced = _bundled_forced_start(opened, json_mode, force_call, tool_name) if add_generation_prompt else ""
+        return ChatPrompt([Segment(text + forced, control=True)], opened + forced)
+    thinking = reasoning_effort != "none"
+    try:
+        segments = xtml.render(messages, tools, add_generation_prompt=add_generation_prompt, thinking=thinking,
+                               thinking_effort=(reasoning_effort or "max") if thinking else None,
+                               tool_choice=tool_choice, response_format=response_format)
+    except xtml.XtmlError as e:
+        raise ChatTemplateError(str(e)) from e
+    if not add_generation_prompt:
+        return ChatPrompt(segments)
+    opened = _opened_channel("".join(s.text for s in segments))
+    forced = _k3_forced_start(opened, json_mode, force_call, tool_name)
+    return ChatPrompt(segments + forced, opened + "".join(s.text for s in forced))
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: ChatPrompt, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of a rendered chat, as Moonshot's encoder makes them: each segment encoded on its own, control
+    tokens recognised in control segments only (text that spells one stays text), BOS as the tokenizer adds it."""
+    ids: list[int] = []
+    for i, segment in enumerate(prompt.segments):
+        ids += tokenizer.encode(segment.text, add_special_tokens=add_special_tokens and i == 0,
+                                allow_special=segment.control)
+    return ids
+
+
+def _render_template(template: str, messages: list[Message], tools: list[Tool] | None, add_generation_prompt: bool,
+                     reasoning_effort: str | None) -> str:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)
     try:
-        template = env.from_string(tokenizer.chat_template)
-        return template.render(
+        return env.from_string(template).render(
             messages=[_message_dict(m) for m in messages],
             tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, reasoning_effort=reasoning_effort)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template failed on these messages: {e}.") from e
 
@@ -64,6 +139,34 @@ def _message_dict(message: Message) -> dict:
     data = message.model_dump(exclude_none=True)
     data["content"] = message.text()
     return data
+
+
+def _opened_channel(prompt: str) -> str:
+    """The channel marker the generation prompt opened the reply with ("" if it opened none)."""
+    return next((marker for marker in (THINK_OPEN, RESPONSE_OPEN) if prompt.endswith(marker)), "")
+
+
+def _k3_forced_start(opened: str, json_mode: bool, force_call: bool, tool_name: str | None) -> list[Segment]:
+    """The reply's forced start in K3's layout: the content channel for JSON mode; for a forced call, an empty
+    response and the tools section (and the named call), as K3's renderer writes a reply that only calls tools."""
+    if not (json_mode or force_call):
+        return []
+    out = xtml.close_tag("think") if opened == THINK_OPEN else []
+    in_response = opened == RESPONSE_OPEN
+    if json_mode:
+        return out + ([] if in_response else xtml.open_tag("response"))
+    out += ([] if in_response else xtml.open_tag("response")) + xtml.close_tag("response") + xtml.open_tag("tools")
+    return out + (xtml.open_tag("call", [("tool", tool_name), ("index", 1)]) if tool_name else [])
+
+
+def _bundled_forced_start(opened: str, json_mode: bool, force_call: bool, tool_name: str | None) -> str:
+    """The reply's forced start in the bundled dialect: after the reasoning, or the opening of a tool_call."""
+    if not (json_mode or force_call):
+        return ""
+    out = THINK_CLOSE if opened == THINK_OPEN else ""
+    if force_call:
+        out += BUNDLED_CALL_OPEN + (f'{tool_name}"{SEP}' if tool_name else "")
+    return out
 
 
 @dataclass
@@ -94,80 +197,104 @@ class ParsedToolCall:
 
 
 class ReplyParser:
-    """Splits reply text, fed in pieces, into reasoning, content and tool calls; markers never leak.
+    """Splits reply text, fed in pieces, into reasoning, content and tool calls; every split of the same text gives
+    the same result, and well-formed markers never reach the text.
 
-    start: REASONING when the prompt opened a think section, CONTENT otherwise; TOOL_NAME or TOOL_ARGS when the
-    prompt itself opened a (forced) tool call, with `forced_name` for the latter.
+    reply_start: what the prompt already wrote of the reply (ChatPrompt.reply_start), read first and not reported;
+    calls it opens are announced with the first delta.
     """
 
-    def __init__(self, start: str = CONTENT, forced_name: str | None = None):
-        self.state = start
-        self.pending = ""
-        self.calls = [ParsedToolCall(_call_id(), forced_name or "")] if start in (TOOL_NAME, TOOL_ARGS) else []
+    def __init__(self, reply_start: str = ""):
+        self.calls: list[ParsedToolCall] = []
+        self._stack = [MESSAGE]           # the open elements; empty once the message closed
+        self._pending = ""                # text not parsed yet: it may begin a marker
+        self._arguments: _ArgumentsJson | None = None      # the open call's arguments
         self._announced = 0
+        self.feed(reply_start)            # not reported...
+        self._announced = 0               # ...so the calls it opened are announced with the first delta
 
     def feed(self, text: str) -> ReplyDelta:
         """Parse more reply text; what can be told apart now."""
-        self.pending += text
+        self._pending += text
         delta = ReplyDelta()
-        while self._advance(delta, final=False):
-            pass
+        self._parse(delta, final=False)
         return delta
 
     def finish(self) -> ReplyDelta:
         """Flush what was held back (the reply ended)."""
         delta = ReplyDelta()
-        while self._advance(delta, final=True):
-            pass
-        self._announce(delta)
+        self._parse(delta, final=True)
+        if self._stack and self._stack[-1] == ARGUMENT:
+            self._argument_text(delta, self._arguments.flush())
         return delta
 
-    def _advance(self, delta: ReplyDelta, final: bool) -> bool:
-        """Consume pending text up to the next marker; True when a marker was consumed (more may follow)."""
-        if self.state == DONE:
-            self.pending = ""
-            return False
-        markers = _MARKERS[self.state]
-        hit = _first_marker(self.pending, markers)
-        if hit is None:
-            keep = 0 if final else _partial_marker_length(self.pending, markers)
-            self._emit(delta, self.pending[:len(self.pending) - keep])
-            self.pending = self.pending[len(self.pending) - keep:]
-            return False
-        position, marker = hit
-        self._emit(delta, self.pending[:position])
-        self.pending = self.pending[position + len(marker):]
-        self._transition(marker, delta)
-        return True
+    def _parse(self, delta: ReplyDelta, final: bool) -> None:
+        self._announce(delta)
+        position = 0
+        while self._stack and (piece := _next_piece(self._pending, position, final)) is not None:
+            kind, value, position = piece
+            if kind == "text":
+                self._text(delta, value)
+            elif kind == "open":
+                name, attributes = _open_body(value)
+                self._open(delta, name, attributes)
+            else:
+                self._close(delta, value)
+        self._pending = self._pending[position:] if self._stack else ""
 
-    def _emit(self, delta: ReplyDelta, text: str) -> None:
-        if not text:
-            return
-        if self.state == REASONING:
+    def _text(self, delta: ReplyDelta, text: str) -> None:
+        channel = self._stack[-1]
+        if channel == THINK:
             delta.reasoning += text
-        elif self.state == CONTENT:
+        elif channel in _CONTENT_CHANNELS:
             delta.content += text
-        elif self.state == TOOL_NAME:
-            self.calls[-1].name += text
-        elif self.state == TOOL_ARGS:
-            self.calls[-1].arguments += text
-            self._announce(delta)
-            delta.tool_calls.append(ToolCallDelta(len(self.calls) - 1, arguments=text))
+        elif channel == ARGUMENT:
+            self._argument_text(delta, self._arguments.argument_text(text))
+        elif channel in _ARGUMENT_CHANNELS:
+            self._argument_text(delta, self._arguments.raw_text(text))
 
-    def _transition(self, marker: str, delta: ReplyDelta) -> None:
-        if marker == THINK_CLOSE:
-            self.state = CONTENT
-        elif marker == TOOL_OPEN:
-            self.calls.append(ParsedToolCall(_call_id(), ""))
-            self.state = TOOL_NAME
-        elif marker == TOOL_NAME_END:
-            self.state = TOOL_ARGS
+    def _open(self, delta: ReplyDelta, name: str, attributes: dict[str, str]) -> None:
+        """Open `name` inside the innermost open element that can hold it (closing those inside that one)."""
+        if name == MESSAGE:                # a new message begins: the reply is over
+            self._pop_to(0, delta)
+            return
+        for depth in range(len(self._stack) - 1, -1, -1):
+            children = _CHILDREN.get(self._stack[depth], ())
+            if name in children or _IMPLIED_PARENT.get(name) in children:
+                self._pop_to(depth + 1, delta)
+                if name not in children:
+                    self._push(delta, _IMPLIED_PARENT[name], {})
+                self._push(delta, name, attributes)
+                return
+
+    def _close(self, delta: ReplyDelta, name: str) -> None:
+        """Close `name` and everything open inside it; a close of nothing open is dropped."""
+        if name in self._stack:
+            self._pop_to(len(self._stack) - 1 - self._stack[::-1].index(name), delta)
+
+    def _push(self, delta: ReplyDelta, name: str, attributes: dict[str, str]) -> None:
+        if name in _CALL_NAME:
+            self.calls.append(ParsedToolCall(_call_id(), attributes.get(_CALL_NAME[name], "")))
+            self._arguments = _ArgumentsJson(raw=name == BUNDLED_CALL)
             self._announce(delta)
-        elif marker == TOOL_CLOSE:
-            self._announce(delta)
-            self.state = CONTENT
-        elif marker == MESSAGE_CLOSE:
-            self.state = DONE
+        elif name == ARGUMENT:
+            self._argument_text(delta, self._arguments.open_argument(attributes.get("key", ""),
+                                                                     attributes.get("type", "string")))
+        self._stack.append(name)
+
+    def _pop_to(self, depth: int, delta: ReplyDelta) -> None:
+        while len(self._stack) > depth:
+            name = self._stack.pop()
+            if name == ARGUMENT:
+                self._argument_text(delta, self._arguments.close_argument())
+            elif name in _CALL_NAME:
+                self._argument_text(delta, self._arguments.close())
+                self._arguments = None
+
+    def _argument_text(self, delta: ReplyDelta, text: str) -> None:
+        if text:
+            self.calls[-1].arguments += text
+            delta.tool_calls.append(ToolCallDelta(len(self.calls) - 1, arguments=text))
 
     def _announce(self, delta: ReplyDelta) -> None:
         """Emit the id and name of calls not announced yet (before any of their arguments)."""
@@ -177,25 +304,94 @@ class ReplyParser:
             self._announced += 1
 
 
-_MARKERS = {
-    REASONING: (THINK_CLOSE, TOOL_OPEN, MESSAGE_CLOSE),
-    CONTENT: (TOOL_OPEN, MESSAGE_CLOSE),
-    TOOL_NAME: (TOOL_NAME_END,),
-    TOOL_ARGS: (TOOL_CLOSE, MESSAGE_CLOSE),
-}
+class _ArgumentsJson:
+    """A call's arguments as one JSON object, written while its argument elements stream in (what K3's renderer
+    wrote from `{"KEY": VALUE}` reads back as `json.dumps` of it); raw text (a json element's, or the bundled
+    dialect's) is passed on as it is."""
+
+    def __init__(self, raw: bool):
+        self.members = 0
+        self.raw = raw
+        self.kind: str | None = None      # the open argument's type
+        self.value = ""                   # a non-string value, held until its element closes
+
+    def open_argument(self, key: str, kind: str) -> str:
+        head = ("{" if self.members == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+        self.members += 1
+        self.kind = kind
+        return head + ('"' if kind == "string" else "")
+
+    def argument_text(self, text: str) -> str:
+        if self.kind == "string":
+            return json.dumps(text, ensure_ascii=False)[1:-1]
+        self.value += text
+        return ""
+
+    def close_argument(self) -> str:
+        kind, value = self.kind, self.value
+        self.kind, self.value = None, ""
+        if kind == "string":
+            return '"'
+        try:                               # a value that is not JSON is passed on as a string
+            return json.dumps(json.loads(value), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            return json.dumps(value, ensure_ascii=False)
+
+    def raw_text(self, text: str) -> str:
+        self.raw = True
+        return text
+
+    def close(self) -> str:
+        return "}" if self.members else "" if self.raw else "{}"
+
+    def flush(self) -> str:
+        """The held value, as written (the reply ended inside it)."""
+        value, self.value = self.value, ""
+        return value
 
 
-def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
-    hits = [(text.find(m), m) for m in markers if m in text]
-    return min(hits) if hits else None
+def _next_piece(text: str, position: int, final: bool) -> tuple[str, str, int] | None:
+    """The next piece of `text` from `position`: ("text", text, end), ("open", body, end) or ("close", name, end);
+    None when what follows may still become a marker (held back unless `final`)."""
+    start = _find_marker_start(text, position, len(text))
+    if start == -1:
+        end = len(text) if final else len(text) - _partial_marker_start(text, position)
+        return ("text", text[position:end], end) if end > position else None
+    if start > position:
+        return "text", text[position:start], start
+    opener = OPEN if text.startswith(OPEN, position) else CLOSE
+    body_start = position + len(opener)
+    window_end = body_start + MAX_TAG + len(SEP)
+    sep = text.find(SEP, body_start, window_end)
+    nested = _find_marker_start(text, body_start, sep if sep != -1 else window_end)
+    if sep != -1 and nested == -1:
+        body = text[body_start:sep]
+        kind = "open" if opener == OPEN else "close"
+        if (_OPEN_BODY if kind == "open" else _CLOSE_BODY).fullmatch(body):
+            return kind, body, sep + len(SEP)
+        return "text", opener, body_start
+    if nested != -1 or final or len(text) >= window_end:
+        return "text", opener, body_start
+    return None
 
 
-def _partial_marker_length(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of text that begins some marker (held back until it can be told apart)."""
-    for length in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
-        if any(m.startswith(text[-length:]) for m in markers):
+def _find_marker_start(text: str, start: int, end: int) -> int:
+    hits = [i for i in (text.find(OPEN, start, end), text.find(CLOSE, start, end)) if i != -1]
+    return min(hits) if hits else -1
+
+
+def _partial_marker_start(text: str, position: int) -> int:
+    """Length of the longest suffix of text[position:] that begins `<|open|>` or `<|close|>`."""
+    for length in range(min(len(text) - position, len(CLOSE) - 1), 0, -1):
+        tail = text[len(text) - length:]
+        if OPEN.startswith(tail) or CLOSE.startswith(tail):
             return length
     return 0
+
+
+def _open_body(body: str) -> tuple[str, dict[str, str]]:
+    name, attributes = _OPEN_BODY.fullmatch(body).groups()
+    return name, {key: xtml.unescape(value) for key, value in _ATTRIBUTE.findall(attributes)}
 
 
 def _call_id() -> str:

@@ -97,20 +97,6 @@ class ContentPart(Schema):
     text: str
 
 
-class Message(Schema):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-
 class FunctionDefinition(Schema):
     name: str
     description: str | None = None
@@ -122,26 +108,61 @@ class Tool(Schema):
     function: FunctionDefinition
 
 
+class Message(Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    tools: list[Tool] | None = None          # on a system message: tools declared mid-conversation
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
 class NamedToolChoice(Schema):
     type: Literal["function"] = "function"
     function: dict[str, str]
 
 
+class JsonSchemaFormat(Schema):
+    """OpenAI's json_schema response format: the schema the reply must match."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Schema):
-    type: Literal["text", "json_object"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+ReasoningEffort = Literal["none", "low", "medium", "high", "max"]
+"""OpenAI's reasoning_effort as K3 understands it: "none" turns thinking off, the others are its thinking efforts."""
+
+
+class ChatTemplateFields(Schema):
+    """What a chat renders from besides its messages (shared by chat completions and /tokenize)."""
+
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: ResponseFormat | None = None
 
 
-class TokenizeRequest(Schema):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None

@@ -56,6 +56,7 @@ class Tokenizer:
         self._backend = backend
         self._text_pieces = text_pieces
         self._encode_lock = threading.Lock()      # encode flips the backend's encode_special_tokens switch
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
         self.vocab_size = vocab_size            # one more than the highest token id
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
@@ -115,10 +116,11 @@ class Tokenizer:
         encoded as the text they spell (as tiktoken's `disallowed_special=()`; with a tokenizer.json this covers the
         added tokens it marks special). With `add_special_tokens`, BOS is prepended iff `add_bos_token`, unless
         the text already starts with it (e.g. from a chat template)."""
+        pieces = list(self._text_pieces(text))
         with self._encode_lock:
             self._backend.encode_special_tokens = not allow_special
-            ids = [i for piece in self._text_pieces(text)
-                   for i in self._backend.encode(piece, add_special_tokens=False).ids]
+            encodings = self._backend.encode_batch_fast(pieces, add_special_tokens=False)     # ids without offsets
+        ids = [i for encoding in encodings for i in encoding.ids]
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -140,9 +142,9 @@ class Tokenizer:
         piece = self._backend.id_to_token(int(token_id))
         if piece is None:
             return None
-        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
+        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel) and token_id not in self._added_ids:
             return bytes(BYTE_OF_CHAR[ch] for ch in piece)
-        return self.token_text(token_id).encode()
+        return self.token_text(token_id).encode()       # added tokens are spelled as text, not byte-level
 
 
 class IncrementalDetokenizer:

@@ -182,6 +182,17 @@ def test_pieces_in_the_table_are_taken_whole(tmp_path):
     assert tokenizer.encode(" xyz") == [258]
 
 
+def test_reserved_tokens_that_decode_as_text(tmp_path):
+    """A reserved token the config marks "special": false is text: any spelling, spaces and non-ASCII included."""
+    name = "<|思 考|>"
+    (tmp_path / "tiktoken.model").write_text(_ranks_file(BYTES))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {"256": {"content": name, "special": False}}}))
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    assert tokenizer.encode(f"a{name}b") == [97, 256, 98] and 256 not in tokenizer.special_ids
+    assert tokenizer.decode([97, 256, 98]) == f"a{name}b" and tokenizer.token_bytes(256) == name.encode()
+
+
 @pytest.mark.parametrize("text", [
     "a" * 25_000, "a" * 25_001, " " * 60_001 + "x", "x" + "\n" * 50_000 + "y" * 26_000,
     ("ab" * 13_000 + " ") * 2, "word " * 80_002,

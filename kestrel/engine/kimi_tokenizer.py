@@ -7,11 +7,12 @@ tokenizer_config.json's `added_tokens_decoder` and `<|reserved_token_ID|>` other
 tiktoken encodes each piece the pre-tokenizer pattern cuts out as one token when the piece is in the table, and
 otherwise merges bytes: each step joins the adjacent pair whose concatenation has the lowest rank. A BPE whose
 merges are all the ways to split each token into two tokens, ordered by the token's rank, does the same, given
-`ignore_merges` (a piece that is in the vocabulary is taken whole). The conversion runs once, at load.
+`ignore_merges` (a piece that is in the vocabulary is taken whole); tests/engine/test_kimi_tokenizer.py checks it
+against tiktoken. The conversion runs once, at load (about 2 s for 150,000 ranks).
 
 Like Moonshot's own wrapper, encoding cuts the text first: into 400,000-character chunks, and each chunk where a
-run of whitespace or of non-whitespace grows past 25,000 characters (tiktoken's workaround for its issue 195).
-The cuts change the tokens of such long runs, so kestrel makes the same ones.
+run of whitespace or of non-whitespace grows past 25,000 characters (the wrapper's workaround for tiktoken issue
+195). The cuts change the tokens of such long runs, so kestrel makes the same ones.
 """
 
 from __future__ import annotations
@@ -135,15 +136,15 @@ def bpe_backend(ranks: Mapping[bytes, int], reserved: list[ReservedToken],
 def _merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Every split of every token into two tokens, by the token's rank, then by the two halves' ranks."""
     merges: list[tuple[str, str]] = []
-    get = vocab.get
-    for token, _ in sorted(vocab.items(), key=lambda item: item[1]):
+    rank_of = vocab.get
+    for token in sorted(vocab, key=rank_of):
         splits = []
         for cut in range(1, len(token)):
-            left = get(token[:cut])
-            if left is not None:
-                right = get(token[cut:])
-                if right is not None:
-                    splits.append((left, right, token[:cut], token[cut:]))
+            left_rank = rank_of(token[:cut])
+            if left_rank is not None:
+                right_rank = rank_of(token[cut:])
+                if right_rank is not None:
+                    splits.append((left_rank, right_rank, token[:cut], token[cut:]))
         splits.sort()
         merges.extend((left, right) for _, _, left, right in splits)
     return merges

@@ -12,8 +12,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One torch thread per process (servers started by tests inherit it): the tests run tiny models on two shared
+# cores, where a second intra-op thread mostly waits on the first (measured 2-4x slower under load).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from helpers import FAMILY, tiny_model  # noqa: E402
@@ -21,6 +25,7 @@ from helpers import FAMILY, tiny_model  # noqa: E402
 settings.register_profile("derandomized", derandomize=True, database=None)
 settings.register_profile("random", derandomize=False, database=None)
 settings.load_profile("derandomized")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(params=FAMILY)

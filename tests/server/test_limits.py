@@ -1,6 +1,6 @@
 """Limits a user sets and what can never run, answered at once in OpenAI's error shape while the server keeps
-serving: API keys and per-key concurrency, request timeout, prompt length, n past the engine, the queue limit
-counted in requests, and a model without a chat template."""
+serving: API keys and per-key concurrency, request timeout, prompt length, n past the engine, and the queue limit
+counted in requests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import time
 
 import httpx
-import pytest
 
 from kestrel.server.options import ServerOptions
 from server_helpers import MODEL_NAME, LiveServer
@@ -99,15 +98,3 @@ def test_n_past_the_engine_is_400_and_the_queue_limit_counts_requests(model_fold
         assert_memory_freed(live)
     finally:
         live.stop()
-
-
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
-])
-def test_a_model_without_a_chat_template_answers_400(server, monkeypatch, path, body):
-    monkeypatch.setattr(server.engine.tokenizer, "chat_template", None)
-    with server.client() as http:
-        response = http.post(path, json=body)
-        assert response.status_code == 400 and "no chat template" in error_of(response)["message"]
-        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200

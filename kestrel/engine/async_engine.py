@@ -62,6 +62,11 @@ class AsyncEngine:
     def sampling_defaults(self) -> dict[str, float]:
         return self.engine.sampling_defaults
 
+    @property
+    def grammars(self):
+        """The engine's GrammarCompiler (thread-safe), or None without a tokenizer."""
+        return self.engine.grammars
+
     def stats(self) -> EngineStats:
         """What the engine held after its last turn (published by the engine thread; safe from any thread)."""
         return self._stats

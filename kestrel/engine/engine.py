@@ -1,9 +1,13 @@
-"""The engine loop: admit requests, run scheduled steps, sample, detokenize, stop, and release memory at once."""
+"""The engine loop: admit requests, run scheduled steps, sample, detokenize, stop, and release memory at once.
+
+A request with structured outputs waits outside the scheduler until its grammar is compiled (on the grammar
+compiler's threads, structured.py), so a long compile never holds up the other requests' steps."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 import torch
@@ -17,16 +21,19 @@ from .cache.page_table import PageTable
 from .cache.planner import MemoryPlanError, device_memory, plan_memory
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
-from .json_mode import JsonState, JsonTokenMasks, advance
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .request import Request, Sequence, Status
 from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs, model_sampling_defaults,
                        new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
+from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("kestrel")
+
+COMPILE_POLL_S = 0.05
+"""With nothing to run but grammars compiling, a step waits this long for one of them."""
 
 
 class LLMEngine:
@@ -46,6 +53,8 @@ class LLMEngine:
         else:
             self.eos_token_ids = [] if self.config.eos_token_id is None else [self.config.eos_token_id]
         self.sampling_defaults = model_sampling_defaults(folder)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.config.vocab_size)
+                         if self.tokenizer is not None and self.eos_token_ids else None)
         dtype = self.model.lm_head.weight.dtype
         ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
@@ -78,7 +87,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
-        self._json_masks: JsonTokenMasks | None = None
+        self._compiling: dict[str, Future] = {}     # request id -> its grammar, compiling
         torch.manual_seed(args.random_seed)
 
     def _use_mxfp8_activations(self) -> None:
@@ -103,9 +112,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        if params.json_object and self.tokenizer is None:
-            raise ValueError(f"JSON mode needs the model's tokenizer.json or tiktoken.model, which {self.args.model} "
-                             "lacks.")
+        if params.structured_outputs is not None and self.grammars is None:
+            raise ValueError(f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model) with "
+                             f"an end-of-sequence token, which {self.args.model} lacks.")
         ids = self._prompt_ids(prompt)
         self._check_fits(ids, params)
         room = self.context_length - len(ids)
@@ -120,7 +129,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
-        self.scheduler.add(self._new_sequence(request))
+        seq = self._new_sequence(request)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:
+            self._compiling[request_id] = self.grammars.submit(params.structured_outputs)
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         """A ValueError for a request that could never be admitted, even into an idle engine."""
@@ -142,6 +155,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._compiling.pop(request_id, None)
         for seq in request.sequences:
             if seq.status is not Status.FINISHED:
                 seq.finish_reason, seq.stop_reason = "abort", reason
@@ -166,10 +180,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
+        rejected = self._schedule_compiled()
         chunks = self.scheduler.schedule()
-        self.stalled = not chunks
+        self.stalled = not chunks and not self._compiling
         if not chunks:
-            return []
+            if self._compiling:
+                wait(self._compiling.values(), COMPILE_POLL_S, FIRST_COMPLETED)
+            return [request.output() for request in rejected]
         all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
         try:
             logits = self.runner.run(chunks, all_rows)
@@ -179,8 +196,8 @@ class LLMEngine:
             for request in failed:
                 self._fail(request, f"the model failed on a batch holding this request: {type(e).__name__}: {e}")
                 self.requests.pop(request.request_id, None)
-            return [request.output() for request in failed]
-        touched: dict[str, Request] = {}
+            return [request.output() for request in [*rejected, *failed]]
+        touched: dict[str, Request] = {r.request_id: r for r in rejected}
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
             chunk.seq.num_computed += chunk.length
@@ -221,12 +238,32 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output)
         seq = Sequence(request, index, generator, detokenizer)
-        if params.json_object:
-            seq.json_state = JsonState()
+        if request.grammar is not None:
+            seq.matcher = request.grammar.matcher()
         if params.logprobs is not None:
             seq.logprobs = []
         request.sequences.append(seq)
         return seq
+
+    def _schedule_compiled(self) -> list[Request]:
+        """Hand the requests whose grammar is ready to the scheduler; fail those whose grammar failed (returned)."""
+        rejected = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            request = self.requests[request_id]
+            try:
+                request.grammar = future.result()
+            except Exception as e:      # a ValueError for a bad constraint; the request fails, the engine goes on
+                self._fail(request, str(e))
+                self.requests.pop(request_id)
+                rejected.append(request)
+                continue
+            for seq in request.sequences:
+                seq.matcher = request.grammar.matcher()
+                self.scheduler.add(seq)
+        return rejected
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """The n-1 sibling sequences of an n > 1 request, started from seq's state once its prompt is done."""
@@ -271,9 +308,9 @@ class LLMEngine:
                 self._fail(seq.request, f"{type(e).__name__}: {e}")
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        allowed = self._json_token_masks().allowed(seq.json_state) if seq.json_state is not None else None
+        bitmask = seq.matcher.bitmask() if seq.matcher is not None else None
         return SamplingRow(seq.request.params, seq.request.prompt_ids, seq.output_ids, seq.generator,
-                           self.eos_token_ids, allowed)
+                           self.eos_token_ids, bitmask)
 
     def _fail(self, request: Request, message: str) -> None:
         """End every unfinished sequence of request with finish_reason "error" and `message`."""
@@ -283,17 +320,11 @@ class LLMEngine:
                 seq.finish_reason, seq.stop_reason = "error", message
                 self.scheduler.finish(seq)
 
-    def _json_token_masks(self) -> JsonTokenMasks:
-        if self._json_masks is None:
-            token_bytes = [self.tokenizer.token_bytes(t) for t in range(self.config.vocab_size)]
-            self._json_masks = JsonTokenMasks(token_bytes, self.eos_token_ids)
-        return self._json_masks
-
     def _append(self, seq: Sequence, token: int, result: SampleResult, row: int) -> None:
         params = seq.request.params
         seq.output_ids.append(token)
-        if seq.json_state is not None and not seq.json_state.complete:
-            seq.json_state = advance(seq.json_state, self._json_token_masks().token_bytes[token])
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(result, row, params.logprobs))
             seq.cumulative_logprob += float(result.logprobs[row])

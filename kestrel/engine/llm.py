@@ -69,7 +69,10 @@ class LLM:
         return outputs
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
-        """Queue every prompt, or none of them if any is invalid."""
+        """Queue every prompt, or none of them if any is invalid (grammars are compiled first, here)."""
+        for p in params:
+            if p.structured_outputs is not None and self.engine.grammars is not None:
+                self.engine.grammars.compile(p.structured_outputs)      # a bad constraint raises here, at once
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

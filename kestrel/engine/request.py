@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .json_mode import JsonState
 from .outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
+from .structured import CompiledGrammar, GrammarMatcher
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -31,6 +31,7 @@ class Request:
     priority: int = 0                 # lower runs first
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    grammar: CompiledGrammar | None = None      # params.structured_outputs, once compiled
 
     @property
     def finished(self) -> bool:
@@ -65,7 +66,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    json_state: JsonState | None = None                        # where the output stands, in JSON mode
+    matcher: GrammarMatcher | None = None                      # where the output stands in request.grammar
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """The sampling step: per-request parameters, and a batch of logits turned into next tokens and logprobs.
 
 `SamplingParams` keeps vLLM's field names and semantics. `sample` follows vLLM v1's order: stop tokens
-masked until `min_tokens` (and tokens a constraint forbids), then penalties (repetition on prompt+output, then frequency and presence on
+masked until `min_tokens` (and tokens a structured-output constraint forbids), then penalties (repetition on prompt+output, then frequency and presence on
 the output), then greedy argmax, or temperature, min_p, top_k and top_p (one sort) and a draw. Draws use
 the exponential race: argmax_i p_i / q_i with q_i ~ Exponential(1) picks token i with probability p_i,
 and each seeded row draws its q from its own `torch.Generator`, so its tokens do not depend on the rest
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .structured import StructuredOutputsParams, apply_token_bitmasks
 from .tokenizer import GENERATION_CONFIG_FILE, load_json_object
 
 GREEDY_EPS = 1e-5
@@ -78,7 +79,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    json_object: bool = False         # constrain the output to one JSON object (OpenAI's response_format json_object)
+    json_object: bool = False         # shorthand for structured_outputs=StructuredOutputsParams(json_object=True)
+    structured_outputs: StructuredOutputsParams | None = None     # what the output must match (vLLM's field)
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -128,6 +130,12 @@ class SamplingParams:
             _require(value is None or (_is_int(value) and value >= 0), field, "null or an integer >= 0", value)
         for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "json_object"):
             _require(isinstance(getattr(self, field), bool), field, "true or false", getattr(self, field))
+        _require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                 "structured_outputs", "null or a StructuredOutputsParams", self.structured_outputs)
+        if self.json_object:
+            _require(self.structured_outputs in (None, StructuredOutputsParams(json_object=True)), "json_object",
+                     "false when structured_outputs is set", self.json_object)
+            self.structured_outputs = StructuredOutputsParams(json_object=True)
 
     @property
     def greedy(self) -> bool:
@@ -149,7 +157,8 @@ class SamplingRow:
     output_ids: Sequence[int]
     generator: torch.Generator | None       # per-request generator when params.seed is set
     eos_token_ids: Sequence[int] = ()       # blocked with params.stop_token_ids until min_tokens (unless ignore_eos)
-    allowed_tokens: torch.Tensor | None = None   # [V] bool: a constraint (JSON mode) on the next token
+    token_bitmask: torch.Tensor | None = None    # [ceil(V/32)] int32: bit t%32 of word t//32 set where token t may
+                                                 # come next (structured outputs), on the CPU
 
 
 @dataclass
@@ -305,9 +314,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     raw = raw_logprobs(logits)
     work = logits.to(torch.float32, copy=True)
     mask_stop_tokens(work, rows)
-    for i, row in enumerate(rows):
-        if row.allowed_tokens is not None:
-            work[i].masked_fill_(~row.allowed_tokens.to(work.device), float("-inf"))
+    constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    apply_token_bitmasks(work, constrained, [rows[i].token_bitmask for i in constrained])
     work = apply_penalties(work, rows)
     token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]

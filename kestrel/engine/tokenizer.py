@@ -56,7 +56,7 @@ class Tokenizer:
         self._backend = backend
         self._text_pieces = text_pieces
         self._encode_lock = threading.Lock()      # encode flips the backend's encode_special_tokens switch
-        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self.added_ids = frozenset(backend.get_added_tokens_decoder())    # special and control tokens
         self.vocab_size = vocab_size            # one more than the highest token id
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
@@ -142,7 +142,7 @@ class Tokenizer:
         piece = self._backend.id_to_token(int(token_id))
         if piece is None:
             return None
-        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel) and token_id not in self._added_ids:
+        if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel) and token_id not in self.added_ids:
             return bytes(BYTE_OF_CHAR[ch] for ch in piece)
         return self.token_text(token_id).encode()       # added tokens are spelled as text, not byte-level
 

@@ -23,8 +23,10 @@ from ..cookbook.web import site_files
 from ..engine.async_engine import AsyncEngine, RequestFailed, RequestTimedOut
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
+from ..engine.structured import StructuredOutputsParams
 from .access import KeyGate
 from .chat import ChatPrompt, ChatTemplateError, ReplyDelta, ReplyParser, prompt_ids, render_chat
+from .constraints import RequestedConstraint, requested_constraint
 from .errors import ApiError, error_response
 from .metrics import Metrics, RequestTimer
 from .options import ServerOptions
@@ -197,6 +199,22 @@ def _sampling_params(body: SamplingFields, state: ServerState, *args, **kwargs) 
         raise ApiError(400, str(e)) from e
 
 
+async def _compiled(state: ServerState, requested: RequestedConstraint | None) -> StructuredOutputsParams | None:
+    """The request's output constraint, compiled here in a worker thread (so a bad one is a 400 at once and the
+    engine finds it in the grammar cache), or None."""
+    if requested is None:
+        return None
+    grammars = state.engine.grammars
+    if grammars is None:
+        raise ApiError(400, f"{requested.field} needs the model's tokenizer with an end-of-sequence token, which "
+                            "this model lacks.", requested.field)
+    try:
+        await asyncio.to_thread(grammars.compile, requested.params)
+    except ValueError as e:
+        raise ApiError(400, f"{requested.field}: {e}", requested.field) from e
+    return requested.params
+
+
 def _max_tokens(requested: int | None) -> int | None:
     return None if requested is None else max(requested, 1)
 
@@ -282,8 +300,9 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens 0 only makes sense with echo.", "max_tokens")
     want_prompt_logprobs = body.echo and body.logprobs is not None
+    constraint = await _compiled(state, requested_constraint(body, body.response_format))
     params = _sampling_params(body, state, _max_tokens(body.max_tokens), body.logprobs,
-                              body.logprobs if want_prompt_logprobs else None)
+                              body.logprobs if want_prompt_logprobs else None, structured_outputs=constraint)
     request_id = new_id("cmpl")
     streams = [_outputs(state, f"{request_id}-{i}", p, params, body.priority) for i, p in enumerate(prompts)]
     tokenizer, n = state.engine.tokenizer, body.n
@@ -376,9 +395,10 @@ async def _collect(state: ServerState, streams: list[AsyncIterator[RequestOutput
 
 
 def _chat_prompt(state: ServerState, body: ChatTemplateFields, messages: list[Message],
-                 add_generation_prompt: bool = True) -> ChatPrompt:
-    """The rendered chat, with the start of the reply that tool_choice (required or named) and JSON mode force;
-    the same for a chat request and for /tokenize."""
+                 add_generation_prompt: bool = True, constrained: bool | None = None) -> ChatPrompt:
+    """The rendered chat, with the start of the reply that tool_choice (required or named) and an output constraint
+    force (a constrained reply starts in the content channel; constrained None: as response_format says); the same
+    for a chat request and for /tokenize."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if choice != "none" and not body.tools:
         raise ApiError(400, "tool_choice needs tools.", "tool_choice")
@@ -388,23 +408,27 @@ def _chat_prompt(state: ServerState, body: ChatTemplateFields, messages: list[Me
         if name not in {t.function.name for t in body.tools}:
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools.", "tool_choice")
     return _render_chat(_tokenizer(state), messages, tools=body.tools, tool_choice=None if name else choice,
-                        tool_name=name, json_mode=_json_mode(body), reasoning_effort=body.reasoning_effort,
+                        tool_name=name, json_mode=_json_format(body) if constrained is None else constrained,
+                        reasoning_effort=body.reasoning_effort,
                         response_format=body.response_format, add_generation_prompt=add_generation_prompt)
 
 
-def _json_mode(body: ChatTemplateFields) -> bool:
-    return body.response_format is not None and body.response_format.type == "json_object"
+def _json_format(body: ChatTemplateFields) -> bool:
+    """response_format asks for JSON (json_object or json_schema)."""
+    return body.response_format is not None and body.response_format.type != "text"
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
-    if body.response_format is not None and body.response_format.type == "json_schema":
-        raise ApiError(400, "response_format json_schema is not supported yet; use json_object.", "response_format")
-    if _json_mode(body) and body.tools and body.tool_choice not in (None, "none"):
-        raise ApiError(400, "response_format json_object cannot be combined with tool calls.", "response_format")
-    prompt = _chat_prompt(state, body, body.messages)
+    requested = requested_constraint(body, body.response_format)
+    if requested is not None and body.tools and body.tool_choice not in (None, "none"):
+        raise ApiError(400, f"{requested.field} cannot be combined with tool calls; set tool_choice to none.",
+                       requested.field)
+    constraint = await _compiled(state, requested)
+    prompt = _chat_prompt(state, body, body.messages, constrained=constraint is not None)
     top = body.top_logprobs or 0
     params = _sampling_params(body, state, _max_tokens(body.max_completion_tokens or body.max_tokens),
-                              top if body.logprobs else None, skip_special_tokens=False, json_object=_json_mode(body))
+                              top if body.logprobs else None, skip_special_tokens=False,
+                              structured_outputs=constraint)
     request_id = new_id("chatcmpl")
     stream = _outputs(state, request_id, prompt_ids(state.engine.tokenizer, prompt), params, body.priority)
     parsers = [ReplyParser(prompt.reply_start) for _ in range(body.n)]

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible request schemas (with vLLM's extra sampling fields) and their SamplingParams."""
+"""The OpenAI-compatible request schemas (with vLLM's extra sampling fields and vLLM's and SGLang's structured-output
+fields) and their SamplingParams."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.sampling import MODEL_DEFAULT_FIELDS, SamplingParams
+from ..engine.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -22,6 +24,35 @@ class Schema(BaseModel):
 
 class StreamOptions(Schema):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Schema):
+    """OpenAI's json_schema response format: the schema the reply must match."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Schema):
+    """vLLM's `structured_outputs` body field: one of json, regex, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        """The StructuredOutputsParams fields it sets."""
+        return {"json": self.json_, "regex": self.regex, "grammar": self.grammar, "json_object": self.json_object,
+                "disable_any_whitespace": self.disable_any_whitespace}
 
 
 class SamplingFields(Schema):
@@ -47,10 +78,18 @@ class SamplingFields(Schema):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
+    # what the output must match, in vLLM's fields (structured_outputs, and the legacy guided_*) or SGLang's
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, model_defaults: dict[str, float], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, skip_special_tokens: bool | None = None,
-                        json_object: bool = False) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's SamplingParams; the MODEL_DEFAULT_FIELDS it leaves out come from model_defaults (the
         model's generation_config.json), else from SamplingParams' own defaults."""
         chosen = {name: model_defaults.get(name) if getattr(self, name) is None else getattr(self, name)
@@ -62,7 +101,7 @@ class SamplingFields(Schema):
             min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, json_object=json_object)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
 
 
 class CompletionRequest(SamplingFields):
@@ -70,6 +109,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    response_format: ResponseFormat | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one text, several texts, one token-id list, or several."""
@@ -126,20 +166,6 @@ class Message(Schema):
 class NamedToolChoice(Schema):
     type: Literal["function"] = "function"
     function: dict[str, str]
-
-
-class JsonSchemaFormat(Schema):
-    """OpenAI's json_schema response format: the schema the reply must match."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: str
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(Schema):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
 
 
 ReasoningEffort = Literal["none", "low", "medium", "high", "max"]

@@ -104,8 +104,8 @@ def test_named_tool_call_whole_and_streamed(client):
 
 def test_tool_result_round_trip_renders_and_json_mode_completes_the_reply(client):
     """A conversation holding a tool call and its result renders, and the JSON-mode reply after it is one complete
-    JSON object. JSON mode only lets the end-of-message token through once the object is complete (json_mode.py),
-    so finish_reason "stop" with room to spare (seed 0 stops after 62 of the 400 tokens) implies json.loads succeeds.
+    JSON object. JSON mode only lets the end-of-message token through once the object is complete (structured.py),
+    so finish_reason "stop" with room to spare (seed 2 stops after 50 of the 400 tokens) implies json.loads succeeds.
     """
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None, "reasoning_content": "look it up",
@@ -113,16 +113,16 @@ def test_tool_result_round_trip_renders_and_json_mode_completes_the_reply(client
                                  "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     result = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=400,
-                                            temperature=1.0, seed=0, response_format={"type": "json_object"})
+                                            temperature=1.0, seed=2, response_format={"type": "json_object"})
     choice = result.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict) and not choice.message.tool_calls
 
 
-@pytest.mark.parametrize("seed", [0, 6, 7])
+@pytest.mark.parametrize("seed", [11, 14, 15])
 def test_json_mode_returns_complete_json_objects(client, seed: int):
     """JSON mode, whole and streamed: finish_reason "stop" well inside max_tokens (seeds picked where the tiny model
-    closes its object in 41-63 tokens), so the reply must parse as one JSON object, and the stream must carry the
+    closes its object in 35-56 tokens), so the reply must parse as one JSON object, and the stream must carry the
     same object."""
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "json"}], max_tokens=400,
                   temperature=1.0, seed=seed, response_format={"type": "json_object"})

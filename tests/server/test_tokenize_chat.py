@@ -77,13 +77,14 @@ def test_tokenize_gives_the_ids_of_the_k3_render(k3_server, k3_folder):
                                add_generation_prompt=False))
 
 
-def test_tokenize_declares_a_json_schema_that_chat_refuses(k3_server, k3_folder):
+def test_tokenize_declares_a_json_schema_and_chat_sees_the_same_ids(k3_server, k3_folder):
     ids = tokenize(k3_server, messages=CONVERSATION[:2], response_format=SCHEMA)["tokens"]
     assert "The JSON data must match the following schema:\n```json\n{\"type\":\"object\"}\n```" in \
         tiktoken_encoding(k3_folder).decode(ids)
     with k3_server.client() as http:
-        chat = http.post("/v1/chat/completions", json={"messages": CONVERSATION[:2], "response_format": SCHEMA})
-        assert chat.status_code == 400 and "json_schema is not supported yet" in error_of(chat)["message"]
+        chat = http.post("/v1/chat/completions", json={"messages": CONVERSATION[:2], "response_format": SCHEMA,
+                                                       "max_tokens": 2})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(ids)
         effort = http.post("/tokenize", json={"messages": CONVERSATION[:2], "reasoning_effort": "extreme"})
         assert effort.status_code == 400 and error_of(effort)["param"] == "reasoning_effort"
         orphan = http.post("/tokenize", json={"messages": [{"role": "tool", "content": "x"}]})

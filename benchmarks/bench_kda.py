@@ -1,9 +1,12 @@
 """Chunked KDA on the CPU: kestrel's torch chunk_kda against transformers' and fla's torch references.
 
-One run, same machine, same inputs (B=8 sequences of T=1024 tokens, H=4 heads, K=V=64, float32 and
-bfloat16): forward only and forward+backward, median milliseconds per call after a warm-up, tokens per
-second, and the speed ratio against transformers' `chunk_kimi_delta_attention`. kestrel gets the batch
-as 8 packed sequences through cu_seqlens. Writes the section "kda-chunked" of docs/benchmarks.md.
+One run, same machine, same inputs (B=4 sequences of T=512 tokens, H=4 heads, K=V=64, float32 and
+bfloat16): forward only and forward+backward, median milliseconds per call, tokens per second, and the speed
+ratio against transformers' `chunk_kimi_delta_attention`. kestrel gets the batch as 4 packed sequences through
+cu_seqlens. Other work shares these machines' cores, so the three implementations' calls are interleaved round by
+round (each round calls every implementation once), one torch thread each (report.THREADS): a burst of load then
+slows all of them alike, and the ratios hold where the absolute times do not. A run takes a few minutes. Writes the
+section "kda-chunked" of docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_kda.py
 """
@@ -23,11 +26,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import transformers_kimi_linear  # noqa: E402
-from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import THREADS, machine, markdown_table, write_section  # noqa: E402
 from kestrel.ops.torch import kda  # noqa: E402
 
-BATCH, SEQ_LEN, HEADS, HEAD_DIM = 8, 1024, 4, 64
-REPEATS = {"kestrel": 7, "transformers": 3, "fla naive": 3}
+BATCH, SEQ_LEN, HEADS, HEAD_DIM = 4, 512, 4, 64
+ROUNDS = 5
+"""Timed rounds, after one warm-up round."""
 COMMAND = ".venv/bin/python benchmarks/bench_kda.py"
 
 Inputs = dict[str, torch.Tensor]
@@ -77,21 +81,29 @@ def make_inputs(dtype: torch.dtype) -> Inputs:
     }
 
 
-def time_call(call: KdaCall, inputs: Inputs, backward: bool, repeats: int) -> float:
-    """Median seconds per call after one warm-up call."""
+def timed_call(call: KdaCall, leaves: Inputs, grad_out: torch.Tensor, backward: bool) -> float:
+    """Seconds of one call (and its backward pass)."""
+    start = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        o = call(leaves)
+        if backward:
+            o.backward(grad_out)
+    seconds = time.perf_counter() - start
+    for leaf in leaves.values():
+        leaf.grad = None
+    return seconds
+
+
+def time_interleaved(calls: dict[str, KdaCall], inputs: Inputs, backward: bool) -> dict[str, float]:
+    """Median seconds per call of each implementation over ROUNDS rounds that call each once, after a warm-up
+    round."""
     grad_out = torch.randn(inputs["v"].shape, generator=torch.Generator().manual_seed(1)).to(inputs["v"].dtype)
     leaves = {name: t.detach().requires_grad_(backward) for name, t in inputs.items()}
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        with torch.set_grad_enabled(backward):
-            o = call(leaves)
-            if backward:
-                o.backward(grad_out)
-        times.append(time.perf_counter() - start)
-        for leaf in leaves.values():
-            leaf.grad = None
-    return statistics.median(times[1:])
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(ROUNDS + 1):
+        for name, call in calls.items():
+            times[name].append(timed_call(call, leaves, grad_out, backward))
+    return {name: statistics.median(seconds[1:]) for name, seconds in times.items()}
 
 
 def max_output_difference(call: KdaCall, reference: KdaCall, inputs: Inputs) -> float:
@@ -100,6 +112,7 @@ def max_output_difference(call: KdaCall, reference: KdaCall, inputs: Inputs) -> 
 
 
 def main() -> None:
+    torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
     transformers_chunk = load_transformers_chunk()
     implementations = {"kestrel": kestrel_chunk, "transformers": transformers_chunk,
@@ -113,7 +126,7 @@ def main() -> None:
         differences = {name: max_output_difference(call, transformers_chunk, inputs)
                        for name, call in implementations.items()}
         for backward, label in ((True, "fwd+bwd"), (False, "fwd")):
-            seconds = {name: time_call(call, inputs, backward, REPEATS[name]) for name, call in implementations.items()}
+            seconds = time_interleaved(implementations, inputs, backward)
             for name in implementations:
                 rows.append([name, str(dtype).removeprefix("torch."), label, f"{seconds[name] * 1e3:.0f}",
                              f"{tokens / seconds[name]:,.0f}", f"{seconds['transformers'] / seconds[name]:.1f}x",
@@ -127,12 +140,14 @@ def main() -> None:
 kestrel's `ops.torch.kda.chunk_kda` against transformers' `chunk_kimi_delta_attention` (torch fallback) and
 fla's `naive_chunk_kda`, on the same inputs: B={BATCH} sequences x T={SEQ_LEN} tokens, H={HEADS}, K=V={HEAD_DIM},
 chunk size 64 (kestrel: recursive halving down to {kda.LEAF_BLOCK}-token blocks), K3 lower-bounded gate.
-Median of {REPEATS['kestrel']} (kestrel) / {REPEATS['transformers']} (others) calls after one warm-up;
-fwd+bwd backpropagates a fixed random output gradient to q, k, v, g, beta. All three compute in float32;
-bfloat16 rows feed bfloat16 q, k, v, beta.
+Median of {ROUNDS} rounds after a warm-up round, each round calling the three in turn (interleaved, so that load
+from other work slows all three alike); fwd+bwd backpropagates a fixed random output gradient to q, k, v, g, beta.
+All three compute in float32; bfloat16 rows feed bfloat16 q, k, v, beta. Smaller than earlier runs of this section
+(B=8 x T=1024), so that a run stays within a few minutes on the shared cores.
 
 {machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores shared
-with other work, so compare the ratios, not the absolute times.
+with other work (one torch thread, which keeps each op from waiting on the busier core), so compare the ratios, not
+the absolute times.
 
 {table}
 

@@ -14,14 +14,18 @@ from pathlib import Path
 import torch
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+THREADS = 1
+"""Torch threads for the CPU benchmarks that set it: these machines' two cores are shared with other work, and with
+two threads each small op waits for the busier core (decode steps measured 5-30x slower than with one thread)."""
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the script to refresh it.\n"
 
 
 def machine() -> str:
     """One line describing where the numbers were taken."""
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    threads = torch.get_num_threads()
     return (f"{when}; {platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+            f"{threads} torch thread{'' if threads == 1 else 's'}, torch {torch.__version__}")
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

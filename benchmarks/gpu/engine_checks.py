@@ -2,7 +2,7 @@
 from CUDA graphs against eager decode at every captured batch size, token for token.
 
 - Seeded sampling: a seeded request's torch.Generator must live on the logits' device. One sampled request
-  (temperature 1, top-p 0.95, seed SEED) runs alone twice and once among unseeded requests; it passes when no run
+  (temperature 1, seed SEED) runs alone twice and once among unseeded requests; it passes when no run
   fails and all three give the same tokens, while seed SEED + 1 gives others (so the seed is used at all).
 - CUDA graphs: for each captured batch size b (decode_graphs.batch_sizes: 1, 2, 4, 8, ...), b greedy requests with
   prompts of different lengths and the same output length (so every decode step holds exactly b sequences) run
@@ -60,9 +60,9 @@ def seeded_sampling(device: str, new_tokens: int = 32) -> dict[str, Any]:
     """The seeded-sampling check (see the module docstring)."""
     llm = engine(device, max_batch_size=8, graphs=True)
     prompt, *others = [{"prompt_token_ids": p} for p in sample_prompts(llm, 5)]
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=SEED, max_tokens=new_tokens, ignore_eos=True)
-    unseeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=new_tokens, ignore_eos=True)
-    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=SEED + 1, max_tokens=new_tokens, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=SEED, max_tokens=new_tokens, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+    other_seed = SamplingParams(temperature=1.0, seed=SEED + 1, max_tokens=new_tokens, ignore_eos=True)
     runs = {"alone": llm.generate(prompt, seeded), "alone again": llm.generate(prompt, seeded),
             "among unseeded": llm.generate([prompt, *others], [seeded] + [unseeded] * len(others)),
             "other seed": llm.generate(prompt, other_seed)}

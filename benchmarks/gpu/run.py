@@ -130,7 +130,7 @@ def seeded_markdown(seeded: dict[str, Any]) -> str:
     """The seeded-sampling check in one paragraph."""
     if "passed" not in seeded:
         return f"Seeded sampling: {seeded.get('skipped') or seeded.get('error')}."
-    how = (f"Seeded sampling (seed {seeded['seed']}, temperature 1, top-p 0.95, {seeded['new_tokens']} tokens): "
+    how = (f"Seeded sampling (seed {seeded['seed']}, temperature 1, {seeded['new_tokens']} tokens): "
            f"**{'passed' if seeded['passed'] else 'failed'}**")
     failed = ", ".join(seeded["failed_runs"])
     return (f"{how}; runs that failed: {failed or 'none'}; the same tokens alone, again and among unseeded "

@@ -130,7 +130,7 @@ class AsyncEngine:
             self._apply_commands(block=idle)
             if self.engine.has_unfinished_requests():
                 self._step()
-            self._stats = self._snapshot()
+            self._stats = self._snapshot()      # after commands and aborts too
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -161,11 +161,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:   # a failing forward fails the requests it carried, not the engine
+        except Exception as e:   # an engine fault outside every request's guard fails the requests running
             log.exception("engine step failed")
             for request_id in self.engine.fail_running():
                 self._deliver(request_id, RequestFailed(f"the engine failed while running this request: {e}"))
             return
+        self._stats = self._snapshot()      # before delivering: a client that saw its tokens is counted running
         for output in outputs:
             failed = [c for c in output.outputs if c.finish_reason == "error"]
             self._deliver(output.request_id, RequestFailed(failed[0].stop_reason) if failed else output)

@@ -88,6 +88,7 @@ def test_n_past_the_engine_is_400_and_the_queue_limit_counts_requests(model_fold
                     await anext(lines)                            # one request, two running sequences
                     queued = asyncio.create_task(http.post("/v1/completions", json={**LONG, "max_tokens": 1}))
                     while live.engine.num_requests < 2:
+                        assert not queued.done(), queued.result().text       # it must wait, not be refused
                         await asyncio.sleep(0.01)
                     over = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
                 queued_response = await queued

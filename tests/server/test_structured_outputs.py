@@ -1,0 +1,143 @@
+"""Structured outputs over HTTP: every field a request can state a constraint in (OpenAI's response_format, vLLM's
+structured_outputs and guided_*, SGLang's json_schema / regex / ebnf) is enforced on completions and chat, on the
+test model in the bundled dialect and on the K3 replica served as downloaded; replies are checked by `jsonschema`
+and Python's `re`. A bad constraint is a 400 naming its field, in one sentence, before anything is generated.
+
+The constraints are bounded (enums, bounded integers, no extra properties, whitespace capped per gap), so with
+max_tokens past that bound every reply must finish with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from replica import write_k3_replica
+from server_helpers import MODEL_NAME, LiveServer
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+SCHEMA_TOKENS = 200                     # 8 gaps of at most 20 whitespace characters, and the rest
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
+GRAMMAR = 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?\n'
+GRAMMAR_REGEX = r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def k3_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k3-replica")
+    write_k3_replica(folder)
+    live = LiveServer(folder, dtype="float32")
+    yield live
+    live.stop()
+
+
+def post(server, path: str, body: dict):
+    with server.client() as http:
+        return http.post(path, json={"max_tokens": 16, "temperature": 1.0, "seed": 0, **body})
+
+
+def chat_reply(server, body: dict) -> tuple[str, str]:
+    """(content, finish_reason) of a chat reply, and checks the streamed reply says the same."""
+    body = {"messages": [{"role": "user", "content": "Answer in JSON."}], **body}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    streamed = ""
+    with server.client() as http, http.stream("POST", "/v1/chat/completions",
+                                               json={"max_tokens": 16, "temperature": 1.0, "seed": 0, **body,
+                                                     "stream": True}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: {"):
+                streamed += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    assert streamed == choice["message"]["content"]
+    return choice["message"]["content"], choice["finish_reason"]
+
+
+@pytest.mark.parametrize("which", ["server", "k3_server"])
+def test_response_format_json_schema_on_chat_and_completions(request, which):
+    server = request.getfixturevalue(which)
+    content, finish = chat_reply(server, {"response_format": JSON_SCHEMA_FORMAT, "max_tokens": SCHEMA_TOKENS})
+    assert finish == "stop"
+    jsonschema.validate(json.loads(content), SCHEMA)
+    completion = post(server, "/v1/completions", {"prompt": "Answer:", "response_format": JSON_SCHEMA_FORMAT,
+                                                  "max_tokens": SCHEMA_TOKENS, "n": 2}).json()
+    for choice in completion["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+
+
+def check_json(text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def check_date(text: str) -> None:
+    assert re.fullmatch(DATE, text), text
+
+
+def check_grammar(text: str) -> None:
+    assert re.fullmatch(GRAMMAR_REGEX, text), text
+
+
+@pytest.mark.parametrize("fields, check", [
+    ({"structured_outputs": {"json": SCHEMA}}, check_json),
+    ({"guided_json": SCHEMA}, check_json),
+    ({"json_schema": json.dumps(SCHEMA)}, check_json),                      # SGLang: the schema as text
+    ({"structured_outputs": {"regex": DATE}}, check_date),
+    ({"guided_regex": DATE}, check_date),
+    ({"regex": DATE}, check_date),
+    ({"structured_outputs": {"grammar": GRAMMAR}}, check_grammar),
+    ({"guided_grammar": GRAMMAR}, check_grammar),
+    ({"ebnf": GRAMMAR}, check_grammar),
+], ids=["structured_outputs.json", "guided_json", "sglang-json_schema", "structured_outputs.regex", "guided_regex",
+        "sglang-regex", "structured_outputs.grammar", "guided_grammar", "sglang-ebnf"])
+def test_every_constraint_field_is_enforced_on_completions(server, fields, check):
+    body = {"prompt": "the quick brown", "n": 2, "max_tokens": SCHEMA_TOKENS, **fields}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        check(choice["text"])
+
+
+def test_the_openai_client_sends_extra_fields(server, k3_server):
+    for live in (server, k3_server):
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=MODEL_NAME, seed=1,
+                                               messages=[{"role": "user", "content": "a date?"}], max_tokens=16,
+                                               extra_body={"guided_regex": DATE})
+        check_date(reply.choices[0].message.content)
+        assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}},
+     "response_format", "the JSON schema cannot be compiled"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "the regular expression cannot be compiled"),
+    ({"ebnf": "root ::= missing"}, "ebnf", "the grammar cannot be compiled"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}}, "structured_outputs", "exactly one"),
+    ({"guided_regex": "a", "regex": "b"}, "regex", "both constrain the output"),
+], ids=["bad-schema", "no-schema", "bad-regex", "bad-ebnf", "schema-not-json", "two-in-one", "two-fields"])
+def test_a_bad_constraint_is_a_400_naming_its_field(server, fields, param, message):
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        response = post(server, path, {**body, **fields})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and message in error["message"]
+        assert "\n" not in error["message"] and error["message"].endswith(".")
+
+
+def test_a_constraint_cannot_ride_along_with_forced_tool_calls(server):
+    response = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                                     "tool_choice": "required", "response_format": JSON_SCHEMA_FORMAT})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"

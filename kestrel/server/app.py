@@ -27,6 +27,7 @@ from ..engine.structured import StructuredOutputsParams
 from .access import KeyGate
 from .chat import ChatPrompt, ChatTemplateError, ReplyDelta, ReplyParser, prompt_ids, render_chat
 from .constraints import RequestedConstraint, requested_constraint
+from .tool_grammar import forced_call
 from .errors import ApiError, error_response
 from .metrics import Metrics, RequestTimer
 from .options import ServerOptions
@@ -418,13 +419,24 @@ def _json_format(body: ChatTemplateFields) -> bool:
     return body.response_format is not None and body.response_format.type != "text"
 
 
+def _forced_call(state: ServerState, body: ChatCompletionRequest) -> RequestedConstraint | None:
+    """For tool_choice required or a named function: the constraint that makes the reply a well-formed call of a
+    listed tool (tool_grammar.py), in the dialect the prompt continues; else None."""
+    choice = body.tool_choice
+    name = choice.function.get("name") if isinstance(choice, NamedToolChoice) else None
+    if choice != "required" and name is None:
+        return None
+    bundled = bool(_tokenizer(state).chat_template)        # a folder template: the bundled dialect (chat.py)
+    return RequestedConstraint(forced_call(body.tools, name, bundled), "tools")
+
+
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
     requested = requested_constraint(body, body.response_format)
     if requested is not None and body.tools and body.tool_choice not in (None, "none"):
         raise ApiError(400, f"{requested.field} cannot be combined with tool calls; set tool_choice to none.",
                        requested.field)
-    constraint = await _compiled(state, requested)
-    prompt = _chat_prompt(state, body, body.messages, constrained=constraint is not None)
+    prompt = _chat_prompt(state, body, body.messages, constrained=requested is not None)
+    constraint = await _compiled(state, requested or _forced_call(state, body))
     top = body.top_logprobs or 0
     params = _sampling_params(body, state, _max_tokens(body.max_completion_tokens or body.max_tokens),
                               top if body.logprobs else None, skip_special_tokens=False,

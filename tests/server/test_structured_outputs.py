@@ -1,7 +1,9 @@
 """Structured outputs over HTTP: every field a request can state a constraint in (OpenAI's response_format, vLLM's
 structured_outputs and guided_*, SGLang's json_schema / regex / ebnf) is enforced on completions and chat, on the
 test model in the bundled dialect and on the K3 replica served as downloaded; replies are checked by `jsonschema`
-and Python's `re`. A bad constraint is a 400 naming its field, in one sentence, before anything is generated.
+and Python's `re`; tool_choice required or named gets one call of a listed tool with arguments valid for its
+schema (the call's layout against the renderers is tested in test_tool_grammar.py). A bad constraint is a 400
+naming its field, in one sentence, before anything is generated.
 
 The constraints are bounded (enums, bounded integers, no extra properties, whitespace capped per gap), so with
 max_tokens past that bound every reply must finish with "stop".
@@ -27,7 +29,14 @@ SCHEMA_TOKENS = 200                     # 8 gaps of at most 20 whitespace charac
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
 GRAMMAR = 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?\n'
 GRAMMAR_REGEX = r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,5}$"}}, "required": ["q"],
+        "additionalProperties": False}}}]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +150,20 @@ def test_a_constraint_cannot_ride_along_with_forced_tool_calls(server):
     response = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
                                                      "tool_choice": "required", "response_format": JSON_SCHEMA_FORMAT})
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("which", ["server", "k3_server"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "search"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_are_well_formed(request, which, tool_choice):
+    server = request.getfixturevalue(which)
+    names = list(PARAMETERS) if tool_choice == "required" else ["search"]
+    for seed in range(2):
+        response = post(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS,
+            "tool_choice": tool_choice, "max_tokens": 200, "seed": seed})
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]])

@@ -87,7 +87,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[Message], *, tools: list[To
     """The prompt for `messages` under the folder's chat template, else K3's renderer.
 
     tool_choice: "none", "auto" or "required"; tool_name: a tool the reply must call (a named tool_choice);
-    json_mode: the reply is a JSON object, so it starts in the content channel. A forced reply skips the reasoning.
+    json_mode: the reply is constrained content (JSON mode, a schema, a regex or a grammar), so it starts in the
+    content channel. A forced reply skips the reasoning.
     reasoning_effort: OpenAI's field (None: K3's default, max; "none": thinking off); K3's renderer writes it,
     a folder template gets it as the variable `reasoning_effort`.
     """

@@ -54,9 +54,9 @@ def random_request(rng: random.Random, vocab: int) -> SoakRequest:
         sampling["stop"] = [rng.choice(["e", "th", " "])]
     if kind == "abort":
         sampling.update(stream=True, max_tokens=60)
-    words = " ".join(rng.choices(WORDS, k=rng.randint(1, 40)))
+    words = " ".join(rng.choices(WORDS, k=rng.randint(1, 16)))
     if rng.random() < 0.6:
-        prompt = words if rng.random() < 0.7 else [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        prompt = words if rng.random() < 0.7 else [rng.randrange(3, vocab) for _ in range(rng.randint(1, 16))]
         return SoakRequest("/v1/completions", {"prompt": prompt, **sampling}, kind)
     body = {"messages": [{"role": "user", "content": words}], **sampling}
     if rng.random() < 0.3:

@@ -5,13 +5,17 @@ the two pools for an average request length (serving-recipes.md section 2).
 
 S: state slots per running request (radix strategy, overlap scheduling, PD role); D: speculative verify states;
 L: average request length (input + output tokens). Everything here is per rank of one attention-TP group.
+
+Where SGLang's runtime counts differently from the page's calculator, this module follows the runtime and says so:
+D under DFLASH is the block size (`_handle_dflash` sets --speculative-num-draft-tokens to it), and the draft's KV
+per token is the draft's own (`CacheSettings.draft_kv_bytes`), not DSPARK's measured constant. The ReplaySSM ring
+(`replayssm_ring_bytes_per_layer`) is charged per state slot by the runtime's pool sizing (pools.py); the page's
+ratio leaves it out, and so does `balanced_ratio`, so pinned ratios stay the page's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from .anchors import calculator_constants
 
 RADIX_STRATEGIES = ("extra_buffer", "extra_buffer_lazy", "no_buffer", "off")
 MODES = ("unified", "prefill", "decode")
@@ -34,7 +38,9 @@ class CacheSettings:
     mode: str = "unified"
     spec: str = "none"
     draft_tokens: int = 0                   # speculative block size (DSPARK 7, DFLASH 8)
+    draft_kv_bytes: int | None = None       # the draft's KV per token (replicated); None: the draft model's
     replay_ssm: bool = False                # --enable-linear-replayssm-spec
+    replay_cache_len: int = 16              # --linear-replayssm-cache-len (SGLang's default)
 
     @property
     def row_scales(self) -> bool:
@@ -52,6 +58,10 @@ class CacheSettings:
                 raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}.")
         if self.spec != "none" and self.draft_tokens < 1:
             raise ValueError(f"--draft-tokens must be at least 1 with --spec {self.spec}, got {self.draft_tokens}.")
+        if self.draft_kv_bytes is not None and self.draft_kv_bytes < 0:
+            raise ValueError(f"--draft-kv-bytes must not be negative, got {self.draft_kv_bytes}.")
+        if self.replay_cache_len < 1:
+            raise ValueError(f"--replay-cache-len must be at least 1, got {self.replay_cache_len}.")
         if self.radix_strategy == "extra_buffer_lazy" and not self.overlap_schedule:
             raise ValueError("the extra_buffer_lazy radix strategy needs the overlap scheduler; drop "
                              "--disable-overlap-schedule or pick another strategy.")
@@ -73,17 +83,41 @@ def slots_per_request(settings: CacheSettings, pp: int = 1) -> int:
     return 3 - int(settings.skip_decode_lock) + track
 
 
+def verify_width(settings: CacheSettings) -> int:
+    """Tokens one verify step checks per sequence (1 without speculation). DSPARK verifies its block + 1 (the
+    page's calculator: 8 at block 7); DFLASH verifies its block (SGLang's speculative_hook._handle_dflash sets
+    --speculative-num-draft-tokens to --speculative-dflash-block-size)."""
+    if settings.spec == "none":
+        return 1
+    return settings.draft_tokens + (1 if settings.spec == "mtp" else 0)
+
+
 def verify_states(settings: CacheSettings) -> int:
-    """D: intermediate states speculative verification keeps per request (block + 1), unless ReplaySSM folds them
-    away or the server is a PD prefill (it never verifies)."""
+    """D: the intermediate states speculative verification keeps per request (one per verified token), unless
+    ReplaySSM folds them away or the server is a PD prefill (it never verifies)."""
     if settings.spec == "none" or settings.replay_ssm or settings.mode == "prefill":
         return 0
-    return settings.draft_tokens + 1
+    return verify_width(settings)
 
 
 def draft_kv_bytes_per_token(settings: CacheSettings) -> int:
     """The draft model's KV per token per rank (replicated, so DCP does not divide it); 0 without speculation."""
-    return calculator_constants()["draft_kv_bytes_per_token"] if settings.spec != "none" else 0
+    if settings.spec == "none":
+        return 0
+    if settings.draft_kv_bytes is None:
+        raise ValueError(f"the draft's KV bytes per token under --spec {settings.spec} are not known; give "
+                         "--draft-kv-bytes N.")
+    return settings.draft_kv_bytes
+
+
+def replayssm_ring_bytes_per_layer(heads: int, head_dim: int, record_len: int, activation_bytes: int) -> int:
+    """One KDA layer's ReplaySSM ring for one state slot, as SGLang allocates it for KDA
+    (KimiLinearCacheParams.replayssm_ring_bytes_per_req): raw v, raw k and the chunked d and k rings in the
+    activation dtype, the per-K gate g and beta in fp32, each `record_len` steps long."""
+    activations = 4 * heads * record_len * head_dim * activation_bytes
+    gate = heads * record_len * head_dim * 4
+    beta = heads * record_len * 4
+    return activations + gate + beta
 
 
 def kv_bytes_per_token_per_rank(kv_bytes_per_token: int, dcp: int, settings: CacheSettings) -> float:

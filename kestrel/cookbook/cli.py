@@ -51,11 +51,16 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                        help="DP-attention size" if name == "dp" else None)
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="bf16")
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="sglang",
-                   help="fp8 scales per tensor (sglang) or per token and row (kestrel)")
+                   help="SGLang's pools (fp8 with per-tensor scales; the DSA row for models with an indexer) or "
+                        "kestrel's (fp8 with a scale per token and row)")
     p.add_argument("--ssm-dtype", choices=SSM_DTYPE_CHOICES, default="fp32")
     p.add_argument("--spec", choices=SPEC_MODES, default="none", help="speculative decoding (mtp = DSPARK)")
     p.add_argument("--draft-tokens", type=int, default=0, help="draft block size (default: the draft model's)")
-    p.add_argument("--replay-ssm", action="store_true", help="--enable-linear-replayssm-spec (no verify states)")
+    p.add_argument("--draft-kv-bytes", type=int, default=None,
+                   help="the draft's KV bytes per token (default: the draft model's)")
+    p.add_argument("--replay-ssm", action="store_true",
+                   help="--enable-linear-replayssm-spec (no verify states; a ring per state slot)")
+    p.add_argument("--replay-cache-len", type=int, default=16, help="--linear-replayssm-cache-len (ring steps)")
     p.add_argument("--radix-strategy", choices=RADIX_STRATEGIES, default="extra_buffer")
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--skip-decode-lock", action="store_true", help="SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK=1")
@@ -64,7 +69,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--avg-request-len", type=int, default=DEFAULT_AVG_REQUEST_LEN, help="input + output tokens")
     p.add_argument("--mem-fraction", type=float, default=0.85, help="--mem-fraction-static")
     p.add_argument("--ratio", type=float, default=None, help="pin --mamba-full-memory-ratio instead of balancing")
-    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None, help="whole server (divided per DP worker)")
+    p.add_argument("--max-mamba-cache-size", type=int, default=None,
+                   help="pin the state slots (whole server, divided per DP worker) instead of the ratio")
     p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCHES)), help="roofline batch sizes, e.g. 1,64")
     p.add_argument("--context", type=int, default=None, help="roofline context length (default: --avg-request-len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -82,12 +89,14 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     cache = CacheSettings(kv_dtype=args.kv_dtype, kv_layout=args.kv_layout, ssm_dtype=args.ssm_dtype,
                           radix_strategy=args.radix_strategy, overlap_schedule=not args.disable_overlap_schedule,
                           skip_decode_lock=args.skip_decode_lock, mode=args.mode, spec=args.spec,
-                          draft_tokens=args.draft_tokens, replay_ssm=args.replay_ssm)
+                          draft_tokens=args.draft_tokens, draft_kv_bytes=args.draft_kv_bytes,
+                          replay_ssm=args.replay_ssm, replay_cache_len=args.replay_cache_len)
     return PlanRequest(model=args.model, hardware=args.hardware,
                        layout=Layout(tp=args.tp, dp=args.dp, ep=args.ep, pp=args.pp, dcp=args.dcp), nodes=args.nodes,
                        cache=cache, hicache=args.hicache, avg_request_len=args.avg_request_len,
                        mem_fraction=args.mem_fraction, ratio=args.ratio,
-                       max_running_requests=args.max_running_requests, batches=_batches(args.batch),
+                       max_running_requests=args.max_running_requests,
+                       max_mamba_cache_size=args.max_mamba_cache_size, batches=_batches(args.batch),
                        context=args.context)
 
 

@@ -3,6 +3,10 @@
 Every number carries its source and a flag ("vendor claim", "measured", "third-party report"); a missing number is
 "unknown" (no public source) or "none" (the device lacks the capability). Nothing here estimates: the planner asks
 a Fact whether it is known and says which of its answers an unknown blocks.
+
+Memory has one basis for every device: the vendor's datasheet figure per device, in the unit the vendor wrote. A
+measured figure (B300: 275,040 MiB seen by nvidia-smi) stays an alternative (`Device.measured_memory_bytes`), used
+where a check compares with a measurement taken on that device.
 """
 
 from __future__ import annotations
@@ -74,6 +78,15 @@ class Device:
         """Memory per device in bytes, or None when unknown."""
         memory = self.facts["memory"]
         return None if memory.value is None else int(memory.value * _BYTES[memory.unit])
+
+    @property
+    def measured_memory_bytes(self) -> int | None:
+        """Memory per device as a third-party measurement saw it (the value or an alternative), or None."""
+        memory = self.facts["memory"]
+        for fact in (memory, *memory.alternatives):
+            if fact.flag == "measured" and fact.value is not None:
+                return int(fact.value * _BYTES[fact.unit])
+        return None
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:

@@ -91,15 +91,29 @@ class NodeLayout:
 
 
 def node_layout(layout: Layout, device: Device, nodes: int | None = None) -> NodeLayout:
-    """Devices and nodes for `layout` on `device`; `nodes`, when given, must hold every rank."""
+    """Devices and nodes for `layout` on `device`; `nodes`, when given, must hold every rank and leave no node idle."""
     devices = math.ceil(layout.world / device.ranks_per_device)
     per_node = device.devices_per_node
-    if nodes is not None:
-        if nodes < 1:
-            raise ValueError(f"--nodes must be at least 1, got {nodes}.")
-        if per_node is not None and nodes * per_node < devices:
-            raise ValueError(f"{nodes} node(s) of {per_node} {device.id} hold {nodes * per_node} devices, fewer than "
-                             f"the {devices} that {layout.describe()} needs.")
-        per_node = per_node or math.ceil(devices / nodes)
-        return NodeLayout(layout.world, devices, per_node, nodes)
-    return NodeLayout(layout.world, devices, per_node, math.ceil(devices / per_node) if per_node else None)
+    if nodes is None:
+        return NodeLayout(layout.world, devices, per_node, math.ceil(devices / per_node) if per_node else None)
+    _check_nodes(layout, device, devices, nodes)
+    return NodeLayout(layout.world, devices, per_node or math.ceil(devices / nodes), nodes)
+
+
+def _check_nodes(layout: Layout, device: Device, devices: int, nodes: int) -> None:
+    """Raise one ValueError when `nodes` cannot hold the layout's devices or would leave a node without work."""
+    if nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, got {nodes}.")
+    per_node = device.devices_per_node
+    if per_node is None:
+        if nodes > devices:
+            raise ValueError(f"{layout.describe()} needs {devices} {device.id} devices, fewer than the {nodes} nodes "
+                             f"given; pass at most --nodes {devices}.")
+        return
+    needed = math.ceil(devices / per_node)
+    if nodes * per_node < devices:
+        raise ValueError(f"{nodes} node(s) of {per_node} {device.id} hold {nodes * per_node} devices, fewer than the "
+                         f"{devices} that {layout.describe()} needs; pass --nodes {needed}.")
+    if nodes > needed:
+        raise ValueError(f"{layout.describe()} needs {devices} {device.id} devices, {needed} node(s) of {per_node}; "
+                         f"--nodes {nodes} would leave nodes idle, so pass --nodes {needed} or a larger layout.")

@@ -86,8 +86,18 @@ def _check_decode_rate(check: dict) -> tuple[str, str]:
 
 
 def _recipe_plan(check: dict, **overrides: Any):
+    """The plan of the check's recipe with `overrides`; "memory": "measured" plans with the memory a measurement saw
+    on that device, for claims measured on real hardware."""
     recipe = make_recipe(RecipeRequest.from_id(check["recipe"]))
+    if check.get("memory") == "measured":
+        overrides["memory_bytes"] = recipe.plan.device.measured_memory_bytes
     return plan(replace(recipe.plan.request, **overrides))
+
+
+def _memory_basis(check: dict, result) -> str:
+    if check.get("memory") != "measured":
+        return ""
+    return f", memory as measured on {result.device.id}: {result.request.memory_bytes / 1e9:.1f} GB"
 
 
 def _check_admission_cap(check: dict) -> tuple[str, str]:
@@ -95,9 +105,10 @@ def _check_admission_cap(check: dict) -> tuple[str, str]:
     bound = result.pools.max_running_requests
     status = CONSISTENT if check["cap"] <= bound else CONTRADICTED
     return status, (f"claimed {check['cap']} {'≤' if status == CONSISTENT else '>'} the planner's upper bound of "
-                    f"{bound} requests ({result.weight_bytes_per_rank_total / 1e9:.1f} GB of weights per rank, "
-                    f"ratio {result.ratio:.3g}, {result.pools.state_slots} state slots of "
-                    f"{result.state_bytes_per_slot_per_rank:,} B, S = {result.slots_per_request})")
+                    f"{bound} requests ({result.weight_bytes_per_rank_total / 1e9:.1f} GB of weights per rank"
+                    f"{_memory_basis(check, result)}, ratio {result.ratio:.3g}, {result.pools.state_slots} state slots "
+                    f"of {result.state_bytes_per_slot_per_rank + result.ring_bytes_per_slot_per_rank:,} B, "
+                    f"S = {result.slots_per_request})")
 
 
 def _check_kv_capacity(check: dict) -> tuple[str, str]:

@@ -27,6 +27,7 @@ from ..layers.cache import kv_bytes_per_token, state_bytes_per_slot
 from ..models.checkpoint import build_model
 from ..models.inspect import inspect_config
 from ..models.presets import PRESETS, tiny_config
+from .calculator import replayssm_ring_bytes_per_layer
 
 EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED = "experts", "attention", "dense", "vocab", "replicated"
 SHARDINGS = (EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED)
@@ -39,6 +40,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 SSM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DSA_QUANT_BLOCK = 128
+"""SGLang's DSATokenToKVPool.quant_block_size: one fp32 scale per 128 fp8 values."""
 
 
 def model_choices() -> list[str]:
@@ -117,36 +120,72 @@ class ModelFacts:
         return full * sum(1 for i in kda if layers is None or i in layers) // len(kda) if kda else 0
 
     @cache
+    def replay_ring_bytes_per_slot(self, record_len: int, layers: range | None = None) -> int:
+        """SGLang's ReplaySSM ring of one state slot over the KDA `layers` (all when None), rings of `record_len`
+        steps in the activation dtype (calculator.replayssm_ring_bytes_per_layer)."""
+        per_layer = replayssm_ring_bytes_per_layer(self.config.kda_num_heads, self.config.kda_head_dim, record_len,
+                                                   DTYPES[self.dtype].itemsize)
+        return per_layer * sum(1 for i in self.config.kda_layers if layers is None or i in layers)
+
+    def _mla_layers_in(self, layers: range | None) -> int:
+        return sum(1 for i in self.config.mla_layers if layers is None or i in layers)
+
+    @cache
     def latent_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
-        """MLA latent cache (576 values per layer) of one token over `layers` (all when None)."""
-        plain = dataclasses.replace(self.config, index_topk=0)
-        mla = self.config.mla_layers
-        per_layer = _kv_bytes(plain, kv, row_scales) // len(mla) if mla else 0
-        return per_layer * sum(1 for i in mla if layers is None or i in layers)
+        """MLA latent cache (576 values per layer for K3) of one token over `layers` (all when None)."""
+        return _latent_bytes_per_layer(self.config, kv, row_scales) * self._mla_layers_in(layers)
 
     @cache
     def index_key_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
         """Lightning-indexer keys of one token over `layers` (0 without an indexer)."""
         if not self.config.has_indexer:
             return 0
-        keys = _kv_bytes(self.config, kv, row_scales) - self.latent_bytes_per_token(kv, row_scales=row_scales)
-        mla = self.config.mla_layers
-        return keys * sum(1 for i in mla if layers is None or i in layers) // len(mla)
+        return _index_key_bytes_per_layer(self.config, kv, row_scales) * self._mla_layers_in(layers)
 
     @cache
     def kv_bytes_per_token(self, kv: str, layers: range | None = None, row_scales: bool = False) -> int:
         """Everything the decoder caches per token over `layers` (all when None): latents plus indexer keys. A
-        drafter's MTP pages are counted apart (calculator.draft_kv_bytes_per_token), as SGLang counts them."""
+        drafter's pages are counted apart (calculator.draft_kv_bytes_per_token), as SGLang counts them."""
         return (self.latent_bytes_per_token(kv, layers, row_scales)
                 + self.index_key_bytes_per_token(kv, layers, row_scales))
 
 
-def _kv_bytes(config: ModelConfig, kv: str, row_scales: bool) -> int:
-    """KV bytes per token of the whole model. FP8 with `row_scales` is kestrel's layout (a 4-byte scale per token
-    and row); without, SGLang's (per-tensor scales: one byte per value, half the bf16 size)."""
-    if kv == "fp8" and not row_scales:
-        return kv_bytes_per_token(config, torch.bfloat16) // 2
-    return kv_bytes_per_token(config, KV_DTYPES[kv])
+def _scale_bytes(values: int) -> int:
+    """fp32 scales of one fp8 row in blocks of 128 (SGLang's DSA quant_block_size)."""
+    return -(-values // DSA_QUANT_BLOCK) * 4
+
+
+def _kestrel_bytes_per_layer(config: ModelConfig, kv: str) -> tuple[int, int]:
+    """(latent, indexer key) bytes of one token in one MLA layer as kestrel.layers.cache stores them."""
+    latents = kv_bytes_per_token(dataclasses.replace(config, index_topk=0), KV_DTYPES[kv])
+    layers = len(config.mla_layers)
+    return latents // layers, (kv_bytes_per_token(config, KV_DTYPES[kv]) - latents) // layers
+
+
+def _latent_bytes_per_layer(config: ModelConfig, kv: str, row_scales: bool) -> int:
+    """One token's latent in one MLA layer.
+
+    kestrel's layout (`row_scales`): the latent in the KV dtype, fp8 with a 4-byte scale (kestrel.layers.cache).
+    SGLang's: a model without an indexer uses MLATokenToKVPool (576 values, fp8 with per-tensor scales: one byte
+    each); a model with one is a DSA model, whose pool is DSATokenToKVPool with the row of SGLang's
+    calculate_mla_kv_cache_dim: in fp8, 512 latent bytes + their fp32 scales per 128 + the rope part in bf16
+    (512 + 16 + 64 x 2 = 656 B for K3.1 Pro), else 576 values in the KV dtype.
+    """
+    if row_scales:
+        return _kestrel_bytes_per_layer(config, kv)[0]
+    if kv != "fp8":
+        return config.kv_cache_dim * KV_DTYPES[kv].itemsize
+    if not config.has_indexer:
+        return config.kv_cache_dim
+    return config.kv_lora_rank + _scale_bytes(config.kv_lora_rank) + config.qk_rope_head_dim * 2
+
+
+def _index_key_bytes_per_layer(config: ModelConfig, kv: str, row_scales: bool) -> int:
+    """One token's indexer key in one DSA layer: kestrel's in the KV dtype (fp8 with a 4-byte scale); SGLang's
+    DSATokenToKVPool keeps them in fp8 with an fp32 scale per 128 whatever the KV dtype (128 + 4 = 132 B)."""
+    if row_scales:
+        return _kestrel_bytes_per_layer(config, kv)[1]
+    return config.index_head_dim + _scale_bytes(config.index_head_dim)
 
 
 @cache

@@ -14,14 +14,16 @@ from typing import Any
 
 from .anchors import anchors, calculator_constants
 from .calculator import (CacheSettings, balanced_ratio, kv_bytes_per_token_per_rank, slots_per_request,
-                         verify_states)
+                         verify_states, verify_width)
 from .hardware import Device, catalog, get_device
 from .layout import Layout, NodeLayout, check_layout, node_layout
 from .model import ModelFacts, model_facts
-from .pools import Pools, size_pools
+from .pools import PoolInputs, Pools, size_pools
 from .roofline import DecodeStep, crossover_context, decode_step
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256)
+ENGINES = ("sglang", "kestrel")
+"""Whose pool arithmetic a plan follows: SGLang's runtime, or kestrel's own engine (the CPU recipes)."""
 HICACHE_CHOICES = ("off", "host", "host+storage")
 MAX_DEVICES_SEARCHED = 4096
 
@@ -40,7 +42,10 @@ class PlanRequest:
     avg_request_len: int = 11264
     mem_fraction: float = 0.85
     ratio: float | None = None                  # a pinned --mamba-full-memory-ratio instead of the balanced one
-    max_running_requests: int | None = None
+    max_running_requests: int | None = None     # whole server (SGLang divides it per attention-DP worker)
+    max_mamba_cache_size: int | None = None     # whole server: pins the state slots instead of the ratio
+    memory_bytes: int | None = None             # memory per device instead of the catalog's (e.g. a measurement)
+    engine: str = "sglang"                      # whose pool arithmetic: ENGINES
     batches: tuple[int, ...] = DEFAULT_BATCHES
     context: int | None = None                  # roofline context length (default: avg_request_len)
     compare_devices: bool = True                # also find the minimum device count on every catalog device
@@ -76,6 +81,7 @@ class Plan:
     kv_bytes_per_token_per_rank: float          # / dcp + draft KV
     state_bytes_per_slot: int                   # whole model
     state_bytes_per_slot_per_rank: int          # / attention TP
+    ring_bytes_per_slot_per_rank: int           # the ReplaySSM ring per slot (0 without ReplaySSM spec-verify)
     slots_per_request: int                      # S
     verify_states: int                          # D
     balanced_ratio: float
@@ -96,7 +102,7 @@ class Plan:
 
     @property
     def admitted_requests(self) -> int | None:
-        """Concurrency cap of the whole deployment (every attention-DP group)."""
+        """Concurrency cap of the whole deployment (every attention-DP worker)."""
         return None if self.pools is None else self.pools.max_running_requests * self.request.layout.dp
 
     def as_dict(self) -> dict[str, Any]:
@@ -114,6 +120,7 @@ class Plan:
             "kv_bytes_per_token_per_rank": self.kv_bytes_per_token_per_rank,
             "state_bytes_per_slot": self.state_bytes_per_slot,
             "state_bytes_per_slot_per_rank": self.state_bytes_per_slot_per_rank,
+            "ring_bytes_per_slot_per_rank": self.ring_bytes_per_slot_per_rank,
             "slots_per_request": self.slots_per_request,
             "verify_states": self.verify_states,
             "balanced_ratio": self.balanced_ratio,
@@ -137,14 +144,18 @@ def draft_model(model: str, spec: str) -> dict[str, Any] | None:
 
 
 def resolve_cache(request: PlanRequest) -> CacheSettings:
-    """The request's settings settings with the draft size defaulted from the anchors' draft model."""
+    """The request's cache settings with the draft's block size and KV per token defaulted from the anchors'
+    draft model."""
     settings = request.cache
-    if settings.spec != "none" and settings.draft_tokens == 0:
+    if settings.spec != "none":
         draft = draft_model(request.model, settings.spec)
-        if draft is None:
+        if draft is None and (settings.draft_tokens == 0 or settings.draft_kv_bytes is None):
             raise ValueError(f"no draft model for {request.model} under --spec {settings.spec} is recorded; give "
-                             "--draft-tokens N.")
-        settings = replace(settings, draft_tokens=draft["draft_tokens"])
+                             "--draft-tokens N and --draft-kv-bytes N.")
+        if settings.draft_tokens == 0:
+            settings = replace(settings, draft_tokens=draft["draft_tokens"])
+        if settings.draft_kv_bytes is None:
+            settings = replace(settings, draft_kv_bytes=draft["draft_kv_bytes_per_token"])
     settings.check()
     return settings
 
@@ -154,10 +165,17 @@ def _check_request(request: PlanRequest) -> None:
         raise ValueError(f"--mem-fraction must be in (0, 1], got {request.mem_fraction}.")
     if request.avg_request_len < 1:
         raise ValueError(f"--avg-request-len must be at least 1 token, got {request.avg_request_len}.")
+    if request.engine not in ENGINES:
+        raise ValueError(f"unknown engine {request.engine!r}; choose one of: {', '.join(ENGINES)}.")
     if request.hicache not in HICACHE_CHOICES:
         raise ValueError(f"unknown --hicache {request.hicache!r}; choose one of: {', '.join(HICACHE_CHOICES)}.")
     if request.ratio is not None and request.ratio <= 0:
         raise ValueError(f"--ratio must be positive, got {request.ratio}.")
+    for name, count in (("--max-running-requests", request.max_running_requests),
+                        ("--max-mamba-cache-size", request.max_mamba_cache_size)):
+        if count is not None and count < request.layout.dp:
+            raise ValueError(f"{name} {count} leaves no request for some of the {request.layout.dp} attention-DP "
+                             f"workers (SGLang gives each {name} // dp); raise it to at least {request.layout.dp}.")
     if any(b < 1 for b in request.batches):
         raise ValueError("every --batch size must be at least 1.")
 
@@ -178,24 +196,42 @@ def _draft_bytes(request: PlanRequest, settings: CacheSettings) -> int | None:
     return None if draft is None else draft["draft_weight_bytes"]
 
 
+def _max_running(request: PlanRequest, settings: CacheSettings) -> int | None:
+    """--max-running-requests as SGLang resolves it: unset under speculation means 48."""
+    if request.max_running_requests is None and settings.spec != "none":
+        return calculator_constants()["spec_default_max_running_requests"]
+    return request.max_running_requests
+
+
+def _ring_bytes(model: ModelFacts, settings: CacheSettings, layers: range | None = None) -> int:
+    """The ReplaySSM ring of one slot over `layers`; SGLang allocates it under ReplaySSM spec-verify only."""
+    if settings.spec == "none" or not settings.replay_ssm:
+        return 0
+    return model.replay_ring_bytes_per_slot(settings.replay_cache_len, layers)
+
+
 def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, stage_weights: list[dict[str, int]],
            memory_per_rank: int, ratio: float, slots: int, verify: int) -> Pools:
-    """The tightest stage's pools (fewest admitted requests, then fewest tokens)."""
+    """The tightest stage's pools (fewest admitted requests, then fewest tokens). Every stage charges the largest
+    stage's state per slot, as SGLang does (kv_cache_configurator._handle_max_mamba_cache)."""
     layout = request.layout
     stages = layout.stages(model.num_layers)
     budget = int(memory_per_rank * request.mem_fraction)
-    max_running = request.max_running_requests
-    if max_running is None and settings.spec != "none":
-        max_running = calculator_constants()["spec_default_max_running_requests"]
+    # A stage without KDA layers needs no state memory: one byte per slot stands for "free".
+    state = max(1, max(model.state_bytes_per_slot(settings.ssm_dtype, stage) for stage in stages) // layout.attention_tp)
+    ring = max(_ring_bytes(model, settings, stage) for stage in stages) // layout.attention_tp
     results = []
     for s, stage in enumerate(stages):
-        state = model.state_bytes_per_slot(settings.ssm_dtype, stage) // layout.attention_tp
         kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, stage, settings.row_scales),
                                          layout.dcp, settings)
-        rest = budget - sum(stage_weights[s].values())
-        # A stage without KDA layers needs no state memory: one byte per slot stands for "free".
-        results.append(size_pools(rest, ratio, max(state, 1), kv, slots, verify,
-                                  model.config.max_position_embeddings, max_running))
+        inputs = PoolInputs(rest_bytes=budget - sum(stage_weights[s].values()), ratio=ratio, state_bytes=state,
+                            kv_bytes_per_token=kv, slots_per_request=slots, verify_states=verify, ring_bytes=ring,
+                            context_len=model.config.max_position_embeddings, dp=layout.dp,
+                            max_running_requests=_max_running(request, settings),
+                            max_mamba_cache_size=request.max_mamba_cache_size,
+                            radix_disabled=settings.radix_strategy == "off",
+                            padding_slot=request.engine == "sglang")
+        results.append(size_pools(inputs))
     return min(results, key=lambda p: (p.max_running_requests, p.kv_tokens))
 
 
@@ -210,7 +246,8 @@ def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_
     totals = model.bytes_by_sharding()
     budget = memory // device.ranks_per_device * mem_fraction
     slots, verify = slots_per_request(settings), verify_states(settings)
-    kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, row_scales=settings.row_scales), 1, settings)
+    kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, row_scales=settings.row_scales), 1,
+                                     settings)
     for ranks in range(1, MAX_DEVICES_SEARCHED + 1):
         attention_tp = math.gcd(ranks, heads)
         divisors = Layout(tp=ranks, dp=ranks // attention_tp).divisors()
@@ -219,7 +256,10 @@ def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_
             continue
         state = model.state_bytes_per_slot(settings.ssm_dtype) // attention_tp
         ratio = balanced_ratio(slots, verify, state, kv, avg_request_len)
-        pools = size_pools(int(rest), ratio, state, kv, slots, verify, model.config.max_position_embeddings)
+        pools = size_pools(PoolInputs(rest_bytes=int(rest), ratio=ratio, state_bytes=state, kv_bytes_per_token=kv,
+                                      slots_per_request=slots, verify_states=verify,
+                                      ring_bytes=_ring_bytes(model, settings) // attention_tp,
+                                      context_len=model.config.max_position_embeddings))
         if pools.holds(avg_request_len):
             return math.ceil(ranks / device.ranks_per_device)
     return None
@@ -227,7 +267,7 @@ def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_
 
 def _unknowns(device: Device, request: PlanRequest, draft_bytes: int | None) -> list[Unknown]:
     unknowns = []
-    if device.memory_bytes is None:
+    if (request.memory_bytes or device.memory_bytes) is None:
         unknowns.append(Unknown(f"{device.id} memory", device.fact("memory").source,
                                 ("fits", "pool sizes", "KV token capacity", "concurrency cap", "minimum device count")))
     if device.bandwidth_bytes_per_s is None:
@@ -244,20 +284,51 @@ def _unknowns(device: Device, request: PlanRequest, draft_bytes: int | None) -> 
     return unknowns
 
 
-def _notes(request: PlanRequest, settings: CacheSettings) -> list[str]:
+def _kv_note(settings: CacheSettings, model: ModelFacts) -> str | None:
+    if settings.kv_layout == "kestrel":
+        return ("KV counted in kestrel's layout (fp8 with a 4-byte scale per token and row)"
+                if settings.kv_dtype == "fp8" else None)
+    if model.config.has_indexer:
+        return ("KV counted in SGLang main's DSA pool (DSATokenToKVPool: calculate_mla_kv_cache_dim's row, 656 B per "
+                "layer in fp8, and fp8 indexer keys with a scale per 128); which pool SGLang's kimi-k31-pro branch "
+                "gives K3.1 Pro is not known, and the trtllm DSA backend and ROCm's raw layout keep 576 bytes instead")
+    return "fp8 KV counted in SGLang's layout (per-tensor scales, as its calculator counts it)" \
+        if settings.kv_dtype == "fp8" else None
+
+
+def _spec_notes(request: PlanRequest, settings: CacheSettings) -> list[str]:
+    if settings.spec == "none":
+        return []
+    draft = draft_model(request.model, settings.spec)
+    notes = [f"speculation ({settings.spec}, block {settings.draft_tokens}, verify width {verify_width(settings)}): "
+             "draft weights counted on every rank; SGLang resets an unset --max-running-requests to 48; the roofline "
+             "assumes every drafted token is accepted",
+             f"the draft's KV: {settings.draft_kv_bytes:,} B per token per rank ("
+             + (draft["draft_kv_source"] if draft and settings.draft_kv_bytes == draft["draft_kv_bytes_per_token"]
+                else "given") + ")"]
+    if settings.replay_ssm:
+        notes.append(f"ReplaySSM spec-verify: no verify states (D = 0), but a ring of {settings.replay_cache_len} steps "
+                     "per state slot that SGLang charges to the state pool; the pinned ratio (the page's calculator) "
+                     "leaves the ring out")
+    return notes
+
+
+def _notes(request: PlanRequest, settings: CacheSettings, model: ModelFacts) -> list[str]:
     notes = ["pools are upper bounds: SGLang also subtracts CUDA graphs, activations and communication buffers, "
              "which the planner does not model",
+             "memory per device: " + ("given" if request.memory_bytes else "the vendor datasheet's figure (one basis "
+                                      "for every device; measured figures are alternatives in the catalog)"),
              "weights: routed experts in the checkpoint's format (MXFP4 for K3), everything else bf16/fp32; "
              "experts, dense MLPs and shared experts split over TP, attention over attention TP, the vocabulary over "
              "attention TP, the rest replicated"]
-    if settings.kv_dtype == "fp8":
-        notes.append("fp8 KV counted in SGLang's layout (per-tensor scales, as its calculator counts it)"
-                     if settings.kv_layout == "sglang" else
-                     "fp8 KV counted in kestrel's layout (a 4-byte scale per token and row)")
-    if settings.spec != "none":
-        notes.append(f"speculation ({settings.spec}, {settings.draft_tokens} draft tokens): draft weights counted on every "
-                     "rank; SGLang resets an unset --max-running-requests to 48; the roofline assumes every drafted "
-                     "token is accepted")
+    notes += [n for n in [_kv_note(settings, model)] if n]
+    notes += _spec_notes(request, settings)
+    if request.layout.dp > 1:
+        notes.append(f"DP attention: SGLang gives each of the {request.layout.dp} workers --max-running-requests // dp "
+                     "and --max-mamba-cache-size // dp; pools are per worker, admitted requests for all of them")
+    if request.max_mamba_cache_size is not None:
+        notes.append(f"--max-mamba-cache-size {request.max_mamba_cache_size} pins the state slots; the ratio is not "
+                     "used")
     if request.hicache != "off":
         notes.append(f"HiCache ({request.hicache}) adds a host-memory tier for the prefix settings; the GPU pools are "
                      "unchanged and the host tier's size is not modelled")
@@ -303,7 +374,7 @@ def plan(request: PlanRequest) -> Plan:
     balanced = balanced_ratio(slots, verify, state_rank, kv_rank, request.avg_request_len)
     ratio = request.ratio or balanced
 
-    memory = device.memory_bytes
+    memory = request.memory_bytes or device.memory_bytes
     memory_per_rank = None if memory is None else memory // device.ranks_per_device
     pools = None if memory_per_rank is None else _pools(request, model, settings, stage_weights, memory_per_rank,
                                                         ratio, slots, verify)
@@ -311,7 +382,7 @@ def plan(request: PlanRequest) -> Plan:
 
     bandwidth = device.bandwidth_bytes_per_s
     bandwidth_per_rank = None if bandwidth is None else bandwidth / device.ranks_per_device
-    tokens_per_sequence = 1 + (settings.draft_tokens if settings.spec != "none" else 0)
+    tokens_per_sequence = verify_width(settings)
     context = request.context or request.avg_request_len
     steps = [decode_step(model, layout, settings, bandwidth_per_rank, nodes.devices, b, context, tokens_per_sequence)
              for b in request.batches]
@@ -320,10 +391,12 @@ def plan(request: PlanRequest) -> Plan:
     return Plan(request=request, model=model, device=device, nodes=nodes, weight_bytes_per_rank=heaviest,
                 kv_bytes_per_token=kv_bytes, kv_bytes_per_token_per_rank=kv_rank,
                 state_bytes_per_slot=model.state_bytes_per_slot(settings.ssm_dtype),
-                state_bytes_per_slot_per_rank=state_rank, slots_per_request=slots, verify_states=verify,
+                state_bytes_per_slot_per_rank=state_rank,
+                ring_bytes_per_slot_per_rank=_ring_bytes(model, settings) // layout.attention_tp,
+                slots_per_request=slots, verify_states=verify,
                 balanced_ratio=balanced, ratio=ratio, memory_bytes_per_rank=memory_per_rank, pools=pools, fits=fits,
                 fit_reason=reason, min_devices=others, roofline=steps, crossovers=_crossovers(model, steps),
-                unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings))
+                unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings, model))
 
 
 def _fit(pools: Pools | None, request: PlanRequest) -> tuple[bool | None, str]:
@@ -337,4 +410,4 @@ def _fit(pools: Pools | None, request: PlanRequest) -> tuple[bool | None, str]:
                        f"{pools.max_running_requests} requests, not one request of {request.avg_request_len:,} "
                        "tokens")
     return True, (f"{pools.max_running_requests:,} requests of {request.avg_request_len:,} tokens per attention-DP "
-                  "group")
+                  "worker")

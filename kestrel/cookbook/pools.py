@@ -1,9 +1,15 @@
-"""Pool sizes on one rank the way SGLang derives them from --mem-fraction-static and --mamba-full-memory-ratio.
+"""Pool sizes on one rank the way SGLang's runtime derives them (sgl-project/sglang
+python/sglang/srt/mem_cache/kv_cache_configurator.py: `_handle_max_mamba_cache` and `resolve_max_num_reqs`).
 
-rest = memory x mem_fraction - weights. The state pool gets rest x r / (1 + r): slots = that / state_bytes, or,
-under speculation, that / (state_bytes x (1 + D / S)) with the D verify states of every admitted request carved
-out of the same budget. The KV pool gets what the state pool leaves. The admitted-concurrency cap is
-min(2048-4096 by token capacity, tokens // 2, slots // S, --max-running-requests).
+rest = memory x mem_fraction - weights. The state pool holds K slots per attention-DP worker:
+- `--max-mamba-cache-size` pins K = that // dp;
+- with the radix cache disabled and `--max-running-requests` set, K = that // dp;
+- otherwise K comes from the ratio budget rest x r / (1 + r): K = (budget - slot) // slot, where a slot is the
+  state plus, under ReplaySSM spec-verify, its ring; under speculation without ReplaySSM the D verify states of every
+  admitted request share the budget: K = (budget - state x (1 + D)) // (state x (1 + D / S)).
+The verify states take state x (admitted + 1) x D; the K slots take (K + 1) slots (the pool's padding slot); the KV
+pool gets the rest. kestrel's own engine (kestrel/engine/cache/planner.py) has no padding slot: K = budget // slot. A worker admits min(--max-running-requests // dp (else 2,048-4,096 by token capacity),
+tokens // 2, K // S) requests.
 Runtime overheads SGLang subtracts as well (CUDA graphs, activations, communication buffers) are not modelled, so
 the pools here are upper bounds.
 """
@@ -14,36 +20,84 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class PoolInputs:
+    """What one rank's pool sizing reads; counts given for the whole server are divided per DP worker here."""
+
+    rest_bytes: int                   # memory x fraction - weights
+    ratio: float                      # --mamba-full-memory-ratio
+    state_bytes: int                  # one state slot on this rank
+    kv_bytes_per_token: float         # one logical token on this rank (KV / DCP + draft KV)
+    slots_per_request: int            # S
+    verify_states: int = 0            # D (0 under ReplaySSM spec-verify)
+    ring_bytes: int = 0               # the ReplaySSM ring of one slot (0 without ReplaySSM spec-verify)
+    context_len: int = 1_048_576
+    dp: int = 1                       # attention-DP workers
+    max_running_requests: int | None = None
+    max_mamba_cache_size: int | None = None
+    radix_disabled: bool = False
+    padding_slot: bool = True         # SGLang allocates one extra slot (and verify row); kestrel's engine does not
+
+
+@dataclass(frozen=True)
 class Pools:
-    """One rank's pools (tokens are logical tokens of its attention-DP group)."""
+    """One rank's pools (tokens are logical tokens of its attention-DP worker)."""
 
     rest_bytes: int              # memory x fraction - weights (negative: the weights do not fit)
-    state_slots: int
+    state_slots: int             # K
     kv_tokens: int
-    max_running_requests: int    # per attention-DP group
+    max_running_requests: int    # per attention-DP worker
 
     def holds(self, request_len: int) -> bool:
         """Whether at least one request of request_len tokens is admitted."""
         return self.max_running_requests >= 1 and self.kv_tokens >= request_len
 
 
-def size_pools(rest_bytes: int, ratio: float, state_bytes: int, kv_bytes_per_token: float, slots_per_request: int,
-               verify_states: int, context_len: int, max_running_requests: int | None = None) -> Pools:
-    """Pools of one rank with `rest_bytes` after the weights (see the module docstring)."""
-    if rest_bytes <= 0:
-        return Pools(rest_bytes, 0, 0, 0)
-    state_budget = rest_bytes * ratio / (1 + ratio)
-    if verify_states:
-        slots = int(state_budget // (state_bytes * (1 + verify_states / slots_per_request)))
-        admitted = slots // slots_per_request
-        if max_running_requests is not None:
-            admitted = min(admitted, max_running_requests)
-        intermediate = state_bytes * admitted * verify_states
-    else:
-        slots = int(state_budget // state_bytes)
-        intermediate = 0
-    kv_tokens = max(int((rest_bytes - slots * state_bytes - intermediate) // kv_bytes_per_token), 0)
-    estimated = min(max(int(kv_tokens / context_len * 512), 2048), 4096)
-    cap = min(max_running_requests if max_running_requests is not None else estimated, kv_tokens // 2,
-              slots // slots_per_request)
-    return Pools(rest_bytes, slots, kv_tokens, max(cap, 0))
+def _per_worker(count: int | None, dp: int) -> int | None:
+    return None if count is None else count // dp
+
+
+def _verify_bytes(inputs: PoolInputs, requests: int) -> int:
+    """The verify states of `requests` admitted requests plus the padding row."""
+    return inputs.state_bytes * (requests + inputs.padding_slot) * inputs.verify_states
+
+
+def _capped_requests(inputs: PoolInputs, slots: int) -> int:
+    running = _per_worker(inputs.max_running_requests, inputs.dp)
+    by_slots = slots // inputs.slots_per_request
+    return by_slots if running is None else min(running, by_slots)
+
+
+def state_slots(inputs: PoolInputs) -> tuple[int, int]:
+    """(K state slots, bytes of verify states) of one worker (see the module docstring)."""
+    running = _per_worker(inputs.max_running_requests, inputs.dp)
+    if inputs.max_mamba_cache_size is not None:
+        slots = inputs.max_mamba_cache_size // inputs.dp
+        return slots, _verify_bytes(inputs, _capped_requests(inputs, slots))
+    if inputs.radix_disabled and running is not None:
+        return running, _verify_bytes(inputs, running)
+    budget = inputs.rest_bytes * inputs.ratio / (1 + inputs.ratio)
+    d, s = inputs.verify_states, inputs.slots_per_request
+    if d:
+        slots = int((budget - inputs.state_bytes * (1 + d)) // (inputs.state_bytes * (1 + d / s)))
+        return slots, _verify_bytes(inputs, _capped_requests(inputs, slots))
+    slot = inputs.state_bytes + inputs.ring_bytes
+    return int((budget - inputs.padding_slot * slot) // slot), 0
+
+
+def admitted_requests(inputs: PoolInputs, slots: int, kv_tokens: int) -> int:
+    """SGLang's resolve_max_num_reqs for one worker."""
+    running = _per_worker(inputs.max_running_requests, inputs.dp)
+    if running is None:
+        running = max(min(int(kv_tokens / inputs.context_len * 512), 4096), 2048)
+    return max(min(running, kv_tokens // 2, slots // inputs.slots_per_request), 0)
+
+
+def size_pools(inputs: PoolInputs) -> Pools:
+    """One rank's pools (see the module docstring)."""
+    if inputs.rest_bytes <= 0:
+        return Pools(inputs.rest_bytes, 0, 0, 0)
+    slots, verify = state_slots(inputs)
+    slots = max(slots, 0)
+    state = (slots + inputs.padding_slot) * (inputs.state_bytes + inputs.ring_bytes)
+    kv_tokens = max(int((inputs.rest_bytes - verify - state) // inputs.kv_bytes_per_token), 0)
+    return Pools(inputs.rest_bytes, slots, kv_tokens, admitted_requests(inputs, slots, kv_tokens))

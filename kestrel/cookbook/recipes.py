@@ -8,9 +8,11 @@ with its reason; vLLM and kestrel may refuse a recipe SGLang offers, each with i
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..engine.args import BUNDLED_MODEL
 from . import sglang_recipe, vllm_recipe
 from .anchors import anchors
 from .calculator import MODES, SPEC_MODES, CacheSettings, ratio_text
@@ -107,11 +109,21 @@ class Recipe:
                 "refusals": self.refusals, "notes": self.notes, "plan": self.plan.as_dict()}
 
 
+def _cpu_model(model: str) -> tuple[str, str, list[str]]:
+    """(plan model, folder to serve, commands that prepare it): the bundled model is served as shipped (its own
+    config, trained weights; `kestrel verify` checks its held-out perplexity), the other tiny models as a random
+    checkpoint of their preset."""
+    if model == BUNDLED_MODEL.name:
+        return str(BUNDLED_MODEL), f"models/{model}", []
+    folder = f"models/{model}-random"
+    return model, folder, [f"kestrel random-model {model} --out {folder}"]
+
+
 def _kestrel_cpu(request: RecipeRequest) -> Recipe:
-    """kestrel on this machine's CPU: a tiny random checkpoint of the model's architecture, one device."""
+    """kestrel on this machine's CPU, one device: the bundled model, or a random checkpoint of a tiny preset."""
     rules = anchors()["kestrel"]
     if request.model not in rules["cpu_models"]:
-        raise RecipeRefused(f"CPU recipes serve the tiny random models ({', '.join(rules['cpu_models'])}); "
+        raise RecipeRefused(f"CPU recipes serve the tiny models ({', '.join(rules['cpu_models'])}); "
                             f"{request.model} does not fit a CPU machine (see `kestrel plan`).")
     if request.mode != "unified" or request.strategy != "low-latency":
         raise RecipeRefused("a CPU recipe is one device: Unified mode, low-latency strategy.")
@@ -119,21 +131,41 @@ def _kestrel_cpu(request: RecipeRequest) -> Recipe:
         if value not in ("none", "off"):
             raise RecipeRefused(rules["unsupported"][option] + ".")
     if request.quant is not None:
-        raise RecipeRefused("the tiny models keep the preset's formats; drop --quant.")
+        raise RecipeRefused("the tiny models keep their formats; drop --quant.")
+    plan_model, folder, prepare = _cpu_model(request.model)
     fraction = rules["cpu_mem_fraction"]
-    cpu_plan = plan(PlanRequest(model=request.model, hardware=CPU, dtype="fp32", layout=Layout(tp=1),
+    cpu_plan = plan(PlanRequest(model=plan_model, hardware=CPU, dtype="fp32", layout=Layout(tp=1),
                                 cache=CacheSettings(kv_dtype="fp32", kv_layout="kestrel", radix_strategy="off"),
-                                avg_request_len=request.avg_request_len, mem_fraction=fraction, batches=(1, 8)))
+                                avg_request_len=request.avg_request_len, mem_fraction=fraction, batches=(1, 8),
+                                engine="kestrel"))
     ratio = ratio_text(cpu_plan.ratio)
-    folder = f"models/{request.model}-random"
-    lines = [f"kestrel random-model {request.model} --out {folder}",
-             f"kestrel serve --model {folder} --device cpu --mem-fraction-static {fraction} "
-             f"--mamba-full-memory-ratio {ratio} --mamba-ssm-dtype float32 --kv-cache-dtype auto"]
-    notes = [rules["unsupported"]["radix"], "random weights: a smoke test of the serving path, not a model"]
+    lines = [*prepare, f"kestrel serve --model {folder} --device cpu --dtype float32 --mem-fraction-static {fraction} "
+                       f"--mamba-full-memory-ratio {ratio} --mamba-ssm-dtype float32 --kv-cache-dtype auto"]
+    notes = [rules["unsupported"]["radix"],
+             "the bundled model, trained; `kestrel verify` checks it by its held-out perplexity"
+             if not prepare else "random weights: a smoke test of the serving path, not a model"]
     refusal = "SGLang and vLLM publish no CPU recipe for this family"
     return Recipe(request=request, plan=cpu_plan, ratio_text=ratio, lane="kestrel on CPU", nodes=1, per_node=1,
                   sglang_status=None, commands={"kestrel": EngineCommand(lines=lines, strategy="single device")},
                   refusals={"sglang": refusal, "vllm": refusal}, notes=notes)
+
+
+def _sglang_command(cell: sglang_recipe.SGLangCell, request: RecipeRequest, ratio: str) -> EngineCommand:
+    lines = sglang_recipe.commands(cell, request.mode, ratio)
+    if request.mode != "unified":
+        lines.append(sglang_recipe.router_command(request.model))
+    return EngineCommand(lines=lines, image=cell.image, strategy=cell.label, notes=cell.notes)
+
+
+def _recipe_notes(cell: sglang_recipe.SGLangCell, request: RecipeRequest) -> list[str]:
+    notes = []
+    if cell.pins_mamba_cache_size:
+        notes.append("this cell sizes the state pool with --max-mamba-cache-size instead of a ratio; the ratio shown "
+                     "is the balanced one, for comparison")
+    if request.mode != "unified":
+        notes.append("PD disaggregation: run the prefill and decode servers, then the router; SGLang's router takes "
+                     "the prefill's bootstrap port after its URL")
+    return notes
 
 
 def make_recipe(request: RecipeRequest) -> Recipe:
@@ -144,44 +176,37 @@ def make_recipe(request: RecipeRequest) -> Recipe:
     cell = sglang_recipe.compose(request)
     recipe_plan = plan(sglang_recipe.plan_request(cell, request))
     ratio = ratio_text(recipe_plan.ratio)
-    commands = {"sglang": EngineCommand(lines=sglang_recipe.commands(cell, request.mode, ratio), image=cell.image,
-                                        strategy=cell.label, notes=cell.notes)}
-    if request.mode != "unified":
-        commands["sglang"].lines.append(sglang_recipe.router_command())
+    commands = {"sglang": _sglang_command(cell, request, ratio)}
     refusals = {"kestrel": anchors()["kestrel"]["single_device_refusal"].format(devices=recipe_plan.nodes.devices)}
     try:
         vllm = vllm_recipe.compose(request, cell)
-        commands["vllm"] = EngineCommand(lines=[vllm.command], strategy=vllm.strategy, notes=vllm.notes)
+        commands["vllm"] = EngineCommand(lines=vllm.lines, strategy=vllm.strategy, notes=vllm.notes)
     except RecipeRefused as refused:
         refusals["vllm"] = str(refused).rstrip(".")
-    notes = []
-    if cell.pins_mamba_cache_size:
-        notes.append("this cell sizes the state pool with --max-mamba-cache-size instead of a ratio; the plan shows "
-                     "the balanced ratio for comparison")
-    if request.mode != "unified":
-        notes.append("PD disaggregation: run the prefill and decode servers, then the router; the router's 8998 must "
-                     "equal --disaggregation-bootstrap-port")
     return Recipe(request=request, plan=recipe_plan, ratio_text=ratio, lane=cell.label, nodes=cell.nodes,
                   per_node=cell.per_node, sglang_status=cell.status, commands=commands, refusals=refusals,
-                  notes=notes)
+                  notes=_recipe_notes(cell, request))
+
+
+def _offered(request: RecipeRequest) -> bool:
+    try:
+        sglang_recipe.compose(request)
+    except RecipeRefused:
+        return False
+    return True
 
 
 def base_requests(models: tuple[str, ...] = ("k3", "k3.1-pro"), cpu: bool = True) -> list[RecipeRequest]:
-    """Every lane the anchors offer with default options (no speculation, no HiCache, default checkpoint), in
-    the order of the anchor cells, then the CPU recipes."""
+    """Every lane the anchors offer with default options (no HiCache, default checkpoint; no speculation, or DSPARK
+    where the page offers nothing else: the NPU recipes), in the order of the anchor cells, then the CPU recipes."""
     requests = []
     devices = [d for entry in anchors()["hardware"].values() for d in entry["catalog"]]
-    for model in models:
-        for device in devices:
-            for mode in MODES:
-                for strategy in STRATEGIES:
-                    request = RecipeRequest(model=model, hardware=device, mode=mode, strategy=strategy)
-                    try:
-                        sglang_recipe.compose(request)
-                    except RecipeRefused:
-                        continue
-                    requests.append(request)
+    for model, device, mode, strategy in itertools.product(models, devices, MODES, STRATEGIES):
+        for spec in ("none", "mtp"):
+            request = RecipeRequest(model=model, hardware=device, mode=mode, strategy=strategy, spec=spec)
+            if _offered(request):
+                requests.append(request)
+                break
     if cpu:
         requests += [RecipeRequest(model=m, hardware=CPU) for m in anchors()["kestrel"]["cpu_models"]]
     return requests
-

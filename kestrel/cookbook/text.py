@@ -27,6 +27,13 @@ def _rate(value: float | None) -> str:
     return "unknown" if value is None else f"{value:,.0f}"
 
 
+def roofline_caption(plan: Plan) -> str:
+    """What the roofline is when the plan does not fit: a hypothetical bound, not a forecast."""
+    if plan.fits is False:
+        return "hypothetical: the plan does not fit, so nothing runs at these rates"
+    return "memory reads only: upper bounds"
+
+
 def plan_text(plan: Plan) -> str:
     """The plan as a table, then the roofline, unknowns and notes."""
     request, cache, device = plan.request, plan.request.cache, plan.device
@@ -45,7 +52,9 @@ def plan_text(plan: Plan) -> str:
                          f"{' + draft' if cache.spec != 'none' else ''})"),
         ("KDA state per slot", f"{plan.state_bytes_per_slot:,} B ({cache.ssm_dtype}); per rank "
                                f"{plan.state_bytes_per_slot_per_rank:,} B (/ attention TP "
-                               f"{request.layout.attention_tp})"),
+                               f"{request.layout.attention_tp})"
+                               + (f" + ReplaySSM ring {plan.ring_bytes_per_slot_per_rank:,} B"
+                                  if plan.ring_bytes_per_slot_per_rank else "")),
         ("state slots per request", f"S = {plan.slots_per_request} ({cache.radix_strategy}, {cache.mode}), "
                                     f"D = {plan.verify_states} ({cache.spec})"),
         ("memory ratio", f"{plan.ratio:.4g} (balanced for {request.avg_request_len:,}-token requests: "
@@ -55,7 +64,7 @@ def plan_text(plan: Plan) -> str:
         rows += [("pools per rank", f"{gb(max(pools.rest_bytes, 0))} after weights: {pools.state_slots:,} state slots, "
                                    f"{pools.kv_tokens:,} KV tokens"),
                  ("concurrency cap", f"{plan.admitted_requests:,} requests ({pools.max_running_requests:,} per "
-                                     "attention-DP group)")]
+                                     "attention-DP worker)")]
     rows.append(("fits", ("unknown" if plan.fits is None else "yes" if plan.fits else "no") + f": {plan.fit_reason}"))
     rows.append(("min devices", ", ".join(f"{k} {v if v is not None else 'unknown'}"
                                           for k, v in plan.min_devices.items())))
@@ -63,7 +72,7 @@ def plan_text(plan: Plan) -> str:
     context = plan.roofline[0].context if plan.roofline else request.avg_request_len
     tokens = plan.roofline[0].tokens_per_sequence if plan.roofline else 1
     lines += ["", f"decode roofline at context {context:,}, {tokens} token(s) per sequence per step "
-                  "(memory reads only: upper bounds)",
+                  f"({roofline_caption(plan)})",
               f"{'batch':>6} {'weights/step':>14} {'KV/step':>11} {'index/step':>11} {'state/step':>11} "
               f"{'tok/s/user':>11} {'tok/s/GPU':>10} {'KV>weights at':>14} {'index>weights at':>17} "
               f"{'index/weights @max ctx':>23}"]
@@ -89,7 +98,7 @@ def recipe_text(recipe: Recipe) -> str:
     lines = [f"recipe {recipe.id}",
              f"  lane: {recipe.lane}; SGLang page: {recipe.sglang_status or 'no SGLang cell'}",
              f"  layout: {plan.request.layout.describe()} on {recipe.nodes} x {recipe.per_node} "
-             f"({plan.nodes.devices} devices)",
+             f"({plan.nodes.devices} device{'s' if plan.nodes.devices != 1 else ''})",
              f"  memory ratio pinned: {recipe.ratio_text} (average request {recipe.request.avg_request_len:,} tokens)",
              f"  plan: {gb(plan.weight_bytes_per_rank_total)} weights per rank; "
              + (f"{plan.pools.kv_tokens:,} KV tokens and {plan.admitted_requests:,} requests admitted"

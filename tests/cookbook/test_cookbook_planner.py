@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kestrel import LLM
-from kestrel.cookbook.calculator import (CacheSettings, balanced_ratio, ratio_text, slots_per_request,
-                                         verify_states)
+from kestrel.cookbook.calculator import (CacheSettings, balanced_ratio, ratio_text, replayssm_ring_bytes_per_layer,
+                                         slots_per_request, verify_states, verify_width)
 from kestrel.cookbook.hardware import Fact, get_device
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.model import model_facts
@@ -34,11 +34,16 @@ def test_k3_kv_per_token_and_state_per_slot_at_tp8():
     assert fp8.kv_bytes_per_token("fp8", row_scales=True) == 24 * (576 + 4)   # kestrel's: a scale per row
 
 
-def test_k31_adds_the_indexer_keys_to_the_kv():
+def test_k31_kv_in_sglangs_dsa_pool_and_in_kestrels():
+    """SGLang (sgl-project/sglang python/sglang/srt/mem_cache/kv_cache_configurator.py calculate_mla_kv_cache_dim,
+    memory_pool.py DSATokenToKVPool): a DSA layer's row in fp8 is 512 + 512 // 128 x 4 + 64 x 2 = 656 B, its indexer
+    key 128 fp8 values + one fp32 scale = 132 B whatever the KV dtype. kestrel keeps keys in the KV dtype."""
     k31 = model_facts("k3.1-pro")
+    assert k31.latent_bytes_per_token("fp8") == 24 * (512 + 16 + 64 * 2) == 24 * 656
     assert k31.latent_bytes_per_token("bf16") == 27_648
-    assert k31.index_key_bytes_per_token("bf16") == 24 * 128 * 2
-    assert k31.kv_bytes_per_token("bf16") == 27_648 + 24 * 128 * 2
+    assert k31.index_key_bytes_per_token("bf16") == k31.index_key_bytes_per_token("fp8") == 24 * 132
+    assert k31.kv_bytes_per_token("bf16", row_scales=True) == 27_648 + 24 * 128 * 2
+    assert model_facts("k3").kv_bytes_per_token("fp8") == 24 * 576        # K3 has no indexer: the plain MLA pool
 
 
 # --mamba-full-memory-ratio as SGLang's calculator prints it for these cells: its `derive` function
@@ -53,12 +58,19 @@ SGLANG_CALCULATOR_CELLS = [
     ("k3/h200/unified/high-throughput", 11264, "0.18", None),
     ("k3/h100/decode/low-latency", 11264, "0.045", None),
     ("k3/mi355x/unified/balanced", 11264, "14.4", None),
-    ("k3/ascend-950pr/unified/balanced", 11264, "0.045", None),
     ("k3/b300/unified/balanced,spec=mtp", 11264, "5.13", None),
     ("k3/b200/unified/low-latency,spec=mtp", 11264, "0.43", None),
     ("k3/b300/prefill/low-latency,spec=mtp", 11264, "0.86", None),
     ("k3/gb200/decode/high-throughput,spec=mtp", 11264, "1.03", None),
 ]
+
+
+# The Ascend 950 cell runs DSPARK only (item 6 of issue 18), which the node run above did not cover. The calculator's
+# derive on its flags: attention TP 32 (--enable-dp-attention without --dp-size), --disable-radix-cache (S = 1),
+# DSPARK without ReplaySSM (D = 7 + 1), draft KV 1,400 B:
+# 9 x 69 x (3 x 128 x 128 x 4 + 9 x 3 x 128 x 2) / (11264 x (27648 + 1400)) = 0.386 -> "0.39".
+SGLANG_CALCULATOR_CELLS.append(("k3/ascend-950pr/unified/balanced,spec=mtp", 11264, "0.39",
+                                9 * 69 * (3 * 128 * 128 * 4 + 9 * 3 * 128 * 2) / (11264 * (27_648 + 1400))))
 
 
 @pytest.mark.parametrize("recipe_id, length, text, value", SGLANG_CALCULATOR_CELLS)
@@ -95,7 +107,12 @@ def test_slots_per_request_follow_sglang(settings, pp, expected):
 
 
 def test_verify_states():
-    assert verify_states(CacheSettings(spec="mtp", draft_tokens=7)) == 8
+    assert verify_states(CacheSettings(spec="mtp", draft_tokens=7)) == 8            # the page's calculator: block + 1
+    # SGLang python/sglang/srt/arg_groups/speculative_hook.py _handle_dflash: --speculative-num-draft-tokens is set
+    # to --speculative-dflash-block-size, and the configurator keeps that many verify states
+    assert verify_states(CacheSettings(spec="dflash", draft_tokens=8)) == 8
+    assert verify_width(CacheSettings(spec="dflash", draft_tokens=8)) == 8
+    assert verify_width(CacheSettings()) == 1
     assert verify_states(CacheSettings(spec="mtp", draft_tokens=7, replay_ssm=True)) == 0
     assert verify_states(CacheSettings(spec="mtp", draft_tokens=7, mode="prefill")) == 0
     assert verify_states(CacheSettings()) == 0
@@ -189,7 +206,9 @@ def test_draft_weights_of_an_unknown_draft_are_an_unknown():
     (PlanRequest(mem_fraction=1.5), "--mem-fraction must be in (0, 1]"),
     (PlanRequest(avg_request_len=0), "--avg-request-len must be at least 1"),
     (PlanRequest(cache=CacheSettings(kv_dtype="int4")), "unknown kv dtype 'int4'"),
-    (PlanRequest(model="kimi-linear-48b", cache=CacheSettings(spec="mtp")), "give --draft-tokens N"),
+    (PlanRequest(model="kimi-linear-48b", cache=CacheSettings(spec="mtp")), "give --draft-tokens N and --draft-kv"),
+    (PlanRequest(nodes=3), "--nodes 3 would leave nodes idle, so pass --nodes 1"),
+    (PlanRequest(layout=Layout(tp=16, dp=4), max_running_requests=2), "leaves no request for some of the 4"),
     (PlanRequest(nodes=0), "--nodes must be at least 1"),
     (PlanRequest(layout=Layout(tp=16), nodes=1), "1 node(s) of 8 b300 hold 8 devices"),
 ])
@@ -216,9 +235,54 @@ def test_planner_predicts_kestrels_own_engine_allocation(tmp_path):
                  mamba_ssm_dtype="float32", kv_cache_dtype="auto").engine.plan
     predicted = plan(PlanRequest(model="kimi-linear-tiny", hardware="cpu", dtype="fp32", layout=Layout(tp=1),
                                  cache=CacheSettings(kv_dtype="fp32", kv_layout="kestrel", radix_strategy="off"),
-                                 mem_fraction=fraction, ratio=ratio, compare_devices=False))
+                                 mem_fraction=fraction, ratio=ratio, compare_devices=False, engine="kestrel"))
     assert predicted.weight_bytes_per_rank_total == engine.weight_bytes
     assert predicted.state_bytes_per_slot == engine.state_bytes_per_slot
     assert predicted.kv_bytes_per_token == engine.kv_bytes_per_token
     assert predicted.pools.state_slots == engine.num_slots
     assert 0 <= predicted.pools.kv_tokens - engine.kv_tokens < engine.page_size
+
+
+def test_replayssm_ring_reproduces_sglangs_worked_values():
+    """sgl-project/sglang test_replayssm_ring_accounting.py::test_kda_fold: 4 heads of 8, ring of 8, bf16
+    activations: raw v 512 + raw k 512 + per-K gate 1024 + beta 128 + d 512 + k 512 = 3,200 B per layer."""
+    assert replayssm_ring_bytes_per_layer(heads=4, head_dim=8, record_len=8, activation_bytes=2) == 3200
+    # K3 at TP8 with the default --linear-replayssm-cache-len 16 (SGLang server_args): 12 heads of 128 per rank
+    assert replayssm_ring_bytes_per_layer(12, 128, 16, 2) == 295_680
+    assert model_facts("k3").replay_ring_bytes_per_slot(16) // 8 == 69 * 295_680 == 20_401_920
+
+
+def test_replay_ring_is_charged_per_state_slot():
+    """kv_cache_configurator._handle_max_mamba_cache: under ReplaySSM spec-verify a slot costs state + ring."""
+    settings = CacheSettings(spec="mtp", replay_ssm=True)
+    with_ring = plan(PlanRequest(layout=Layout(tp=8, dcp=8), cache=settings, max_running_requests=256))
+    assert with_ring.verify_states == 0 and with_ring.ring_bytes_per_slot_per_rank == 20_401_920
+    pools, state = with_ring.pools, with_ring.state_bytes_per_slot_per_rank + with_ring.ring_bytes_per_slot_per_rank
+    budget = pools.rest_bytes * with_ring.ratio / (1 + with_ring.ratio)
+    assert pools.state_slots == int((budget - state) // state)
+    kv_per_token = 27_648 / 8 + 1400
+    assert pools.kv_tokens == int((pools.rest_bytes - (pools.state_slots + 1) * state) // kv_per_token)
+
+
+def test_the_drafts_own_kv_per_token():
+    """DSPARK: the page calculator's 1,400 B; DFLASH: SGLang's help figure for a 5-layer draft, 10,240 B (bf16)."""
+    dspark = make_recipe(RecipeRequest.from_id("k3/b300/unified/low-latency,spec=mtp")).plan
+    dflash = make_recipe(RecipeRequest.from_id("k3/b300/unified/low-latency,spec=dflash")).plan
+    assert dspark.kv_bytes_per_token_per_rank == 27_648 + 1400
+    assert dflash.kv_bytes_per_token_per_rank == 27_648 + 10_240
+
+
+def test_dp_attention_divides_the_caps_per_worker():
+    """kv_cache_configurator: resolve_max_num_reqs gives each DP worker --max-running-requests // dp, and
+    _handle_max_mamba_cache --max-mamba-cache-size // dp slots. The Atlas A3 cell (TP64, DP4, 64 and 64, S = 5):
+    min(64 // 4, (64 // 4) // 5) = 3 requests per worker, 12 in all (the planner used to say 92)."""
+    a3 = make_recipe(RecipeRequest.from_id("k3/ascend-a3/unified/balanced,spec=mtp")).plan
+    assert (a3.request.layout.dp, a3.request.max_running_requests, a3.request.max_mamba_cache_size) == (4, 64, 64)
+    assert a3.slots_per_request == 5 and a3.pools.state_slots == 16
+    assert a3.pools.max_running_requests == 3 and a3.admitted_requests == 12
+
+
+def test_the_roofline_is_hypothetical_when_nothing_fits():
+    from kestrel.cookbook.text import plan_text
+    assert "hypothetical: the plan does not fit" in plan_text(plan(PlanRequest(layout=Layout(tp=4))))
+    assert "memory reads only: upper bounds" in plan_text(plan(PlanRequest(layout=Layout(tp=8))))

@@ -49,7 +49,7 @@ def test_the_plan_reads_the_commands_own_flags():
         (32, 32, 0.90, "extra_buffer_lazy", 4)
     gb200 = recipe("k3/gb200/decode/high-throughput").plan.request
     assert (gb200.layout.dp, gb200.layout.attention_tp, gb200.layout.dcp, gb200.cache.mode) == (2, 8, 8, "decode")
-    a3 = recipe("k3/ascend-a3/unified/balanced")
+    a3 = recipe("k3/ascend-a3/unified/balanced,spec=mtp")
     assert a3.plan.nodes.devices == 32 and a3.plan.request.layout.tp == 64     # 64 dies on 32 NPUs
 
 
@@ -93,20 +93,46 @@ def test_pd_recipes_add_the_router_and_the_roles_flags():
     assert r.plan.slots_per_request == 1
 
 
-def test_k31_uses_its_own_lane_names_and_drafts():
+def test_k31_lanes_are_its_own_pages():
+    """docs.sglang.io/cookbook/autoregressive/Moonshotai/Kimi-K3.1-Pro as serving-recipes.md section 5 records it:
+    High-Concurrency (DCP8) on B300/GB300 Unified, prefill Low-Latency (TP8) and High-Throughput (PP4 x PCP2),
+    decode Balanced (DCP8 x EP2, Verified with DFLASH on B300) and High-Throughput (DCP8), MI35x High-Throughput
+    (DCP8) in both roles; served from the kimi-k31-pro branch (docker/k31.Dockerfile)."""
     hc = recipe("k3.1-pro/b300/unified/high-concurrency")
     assert "--model-path moonshotai/Kimi-K3.1-Pro" in hc.commands["sglang"].lines[0]
-    assert has_flag(sglang_flags(hc), "--dcp-size")
-    assert any("kimi-k31-pro branch" in n for n in hc.commands["sglang"].notes)
+    assert (hc.plan.request.layout.tp, hc.plan.request.layout.dcp) == (8, 8)
+    assert "kimi-k31-pro branch" in hc.commands["sglang"].image
     assert "no vLLM recipe for Kimi K3.1 Pro" in hc.refusals["vllm"]
-    dflash = sglang_flags(recipe("k3.1-pro/gb300/unified/high-concurrency,spec=dflash"))
-    assert flag_value(dflash, "--speculative-draft-model-path") == "RadixArk/Kimi-K3.1-Dflash2-Preview"
+    decode = recipe("k3.1-pro/b300/decode/balanced,spec=dflash")
+    layout = decode.plan.request.layout
+    assert (layout.tp, layout.dcp, layout.ep) == (8, 8, 2) and decode.sglang_status == "Verified (with DFLASH)"
+    assert flag_value(sglang_flags(decode), "--speculative-draft-model-path") == "RadixArk/Kimi-K3.1-Dflash2-Preview"
+    assert recipe("k3.1-pro/b300/decode/high-throughput").sglang_status == "Verified (without speculation)"
+    prefill = recipe("k3.1-pro/b300/prefill/high-throughput").plan.request.layout
+    assert (prefill.pp, prefill.tp) == (4, 2)
+    assert "--pcp-size 2" in recipe("k3.1-pro/b300/prefill/high-throughput").commands["sglang"].lines[0]
+    mi = recipe("k3.1-pro/mi355x/decode/high-throughput")
+    assert mi.commands["sglang"].image is None and mi.plan.request.layout.dcp == 8
+
+
+def test_k31_unknowns_are_not_filled_with_k3s_cells():
+    for recipe_id in ("k3.1-pro/h200/unified/low-latency", "k3.1-pro/mi355x/unified/balanced",
+                      "k3.1-pro/b300/unified/high-throughput"):
+        with pytest.raises(RecipeRefused, match="kestrel does not borrow K3's cell"):
+            recipe(recipe_id)
+    for flag in ("--mem-fraction-static", "--disaggregation-transfer-backend", "--enable-linear-replayssm-spec"):
+        assert not has_flag(sglang_flags(recipe("k3.1-pro/b300/decode/balanced,spec=dflash")), flag)
 
 
 @pytest.mark.parametrize("recipe_id, reason", [
     ("k3/h200/unified/low-latency,quant=nvfp4", "NVFP4 checkpoint runs on Blackwell only"),
     ("k3/h200/unified/low-latency,spec=dflash", "K3 DFLASH has not been validated on this hardware"),
-    ("k3/ascend-a3/unified/balanced,hicache=host", "NPU HiCache does not support mamba cache"),
+    ("k3/ascend-a3/unified/balanced,spec=mtp,hicache=host", "NPU HiCache does not support mamba cache"),
+    ("k3/ascend-a3/unified/balanced", "NPU recipes run DSPARK only"),
+    ("k3/ascend-950pr/unified/balanced,spec=dflash", "DFLASH is also off on NPU"),
+    ("k3.1-pro/b300/unified/low-latency,hicache=host", "HiCache overlay was not retrievable"),
+    ("k3.1-pro/b300/unified/low-latency,quant=nvfp4", "quantization overlay (runner, image) was not retrievable"),
+    ("k3/b300/decode/balanced,quant=w4a8", "served on the Atlas A3 only"),
     ("k3/ascend-a3/unified/balanced,quant=mxfp4", "W4A8 modelslim checkpoint"),
     ("k3/ascend-a3/prefill/low-latency", "only Unified PD is supported on the NPU recipes"),
     ("k3/h200/prefill/low-latency", "no prefill low-latency cell for h200"),
@@ -145,13 +171,15 @@ def test_ids_round_trip():
     assert RecipeRequest.from_id(request.id) == request
 
 
-def test_cpu_recipe_is_kestrels_own_command():
-    r = recipe("k3.1-tiny/cpu/unified/low-latency")
-    lines = r.commands["kestrel"].lines
-    assert lines[0] == "kestrel random-model k3.1-tiny --out models/k3.1-tiny-random"
-    assert f"--mamba-full-memory-ratio {r.ratio_text}" in lines[1]
-    assert r.plan.slots_per_request == 1
-    assert set(r.refusals) == {"sglang", "vllm"}
+def test_cpu_recipes_serve_the_bundled_model_or_a_random_preset():
+    bundled = recipe("k3.1-tiny/cpu/unified/low-latency")
+    lines = bundled.commands["kestrel"].lines
+    assert len(lines) == 1 and lines[0].startswith("kestrel serve --model models/k3.1-tiny --device cpu ")
+    assert f"--mamba-full-memory-ratio {bundled.ratio_text}" in lines[0]
+    assert bundled.plan.model.config.hidden_size == 192          # the bundled model's own config, not the preset's
+    assert bundled.plan.slots_per_request == 1 and set(bundled.refusals) == {"sglang", "vllm"}
+    random = recipe("kimi-linear-tiny/cpu/unified/low-latency").commands["kestrel"].lines
+    assert random[0] == "kestrel random-model kimi-linear-tiny --out models/kimi-linear-tiny-random"
 
 
 def test_overlay_flags_replace_their_negation():
@@ -162,3 +190,66 @@ def test_overlay_flags_replace_their_negation():
 def test_flags_round_trip_with_quoting():
     text = "--tp-size 8 --cuda-graph-bs-decode 2 4 8 --model-loader-extra-config '{\"a\": true}' --enable-x"
     assert render_flags(parse_flags(text)) == text
+
+
+def test_vllm_pd_commands_disaggregate_through_nixl():
+    """vllm-project/recipes strategies/pd_cluster.yaml @2c22f3fe: NixlConnector producer on the prefill pool's port
+    8001, consumer on the decode pool's 8002, and vllm-router in front; Kimi-K3.yaml's pd_cluster overrides."""
+    prefill = recipe("k3/b300/prefill/low-latency").commands["vllm"].lines
+    decode = recipe("k3/b300/decode/balanced").commands["vllm"].lines
+    assert '"kv_connector":"NixlConnector","kv_role":"kv_producer"' in prefill[0] and "--port 8001" in prefill[0]
+    assert '"kv_connector":"NixlConnector","kv_role":"kv_consumer"' in decode[0] and "--port 8002" in decode[0]
+    assert "VLLM_SSM_CONV_STATE_LAYOUT=DS" in decode[0] and "--max-num-seqs 8" in decode[0]
+    assert prefill[1] == decode[1] and decode[1].startswith("vllm-router --policy round_robin --vllm-pd-disaggregation")
+    assert "--prefill http://<prefill-host>:8001 --decode http://<decode-host>:8002" in decode[1]
+    assert "NCCL_MNNVL_ENABLE" not in prefill[0]                                   # NVL4-only, dropped on B300
+    assert "NCCL_MNNVL_ENABLE=1" in recipe("k3/gb200/prefill/low-latency").commands["vllm"].lines[0]
+
+
+def test_vllm_rocm_environment_is_the_recipes():
+    """Kimi-K3.yaml @2c22f3fe hardware_overrides.amd: VLLM_ROCM_USE_AITER=1 and VLLM_USE_BREAKABLE_CUDAGRAPH=0
+    ("REQUIRED on ROCm: the build auto-enables =1")."""
+    line = recipe("k3/mi355x/unified/balanced").commands["vllm"].lines[0]
+    assert line.startswith("VLLM_ROCM_USE_AITER=1 ")
+    assert " VLLM_USE_BREAKABLE_CUDAGRAPH=0 vllm serve " in line
+    assert '--compilation-config \'{"cudagraph_mode":"FULL_DECODE_ONLY","custom_ops":["+fused_rms_norm_gated"]}\'' in line
+
+
+def test_npu_recipes_follow_the_page():
+    """SGLang's NPU cells (kestrel issue 18's review of the newest kimi-k3.jsx): DSPARK only, no tool-call parser, and
+    the A5 cell names its tokenizer, attention backend, device and dtype."""
+    a5 = recipe("k3/ascend-950pr/unified/balanced,spec=mtp")
+    flags = sglang_flags(a5)
+    assert not has_flag(flags, "--tool-call-parser") and flag_value(flags, "--reasoning-parser") == "kimi_k3"
+    assert (flag_value(flags, "--tokenizer-path"), flag_value(flags, "--attention-backend"),
+            flag_value(flags, "--device"), flag_value(flags, "--dtype")) == ("moonshotai/Kimi-K3", "ascend", "npu",
+                                                                            "bfloat16")
+    assert flag_value(flags, "--speculative-algorithm") == "DSPARK"
+    assert not has_flag(sglang_flags(recipe("k3/ascend-a3/unified/balanced,spec=mtp")), "--tool-call-parser")
+
+
+@pytest.mark.parametrize("recipe_id, flags", [
+    ("k3/b200/prefill/low-latency", ["--disable-flashinfer-autotune", "--weight-loader-prefetch-checkpoints",
+                                     "--watchdog-timeout", "--model-loader-extra-config"]),
+    ("k3/gb200/prefill/high-throughput", ["--disable-flashinfer-autotune", "--weight-loader-prefetch-checkpoints"]),
+    ("k3/b200/decode/balanced", ["--disable-flashinfer-autotune", "--watchdog-timeout", "--model-loader-extra-config"]),
+])
+def test_cells_carry_the_pages_loader_flags(recipe_id, flags):
+    """Issue 18's review of SGLang's kimi-k3.jsx: deep-PP prefill cells carry the autotune and prefetch flags (as
+    B300's and GB300's Long-Context cells do, serving-recipes.md section 1.2), every B200 cell the B200 extras."""
+    got = sglang_flags(recipe(recipe_id))
+    assert all(has_flag(got, flag) for flag in flags)
+    assert [name for name, _ in got].count("--disable-flashinfer-autotune") == 1
+
+
+@pytest.mark.parametrize("recipe_id", ["k3/gb300/decode/low-latency", "k3/gb200/decode/low-latency",
+                                       "k3/gb200/decode/balanced"])
+def test_gb_decode_cells_pin_the_pages_memory_fraction(recipe_id):
+    assert flag_value(sglang_flags(recipe(recipe_id)), "--mem-fraction-static") == "0.85"
+
+
+def test_hopper_decode_cells_carry_the_pages_environment():
+    h200 = recipe("k3/h200/decode/low-latency").commands["sglang"].lines[0]
+    assert h200.startswith("NCCL_MNNVL_ENABLE=1 NCCL_CUMEM_ENABLE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 sglang")
+    h100 = recipe("k3/h100/decode/balanced").commands["sglang"].lines[0]
+    assert h100.startswith("NCCL_CUMEM_ENABLE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 PYTORCH_CUDA_ALLOC_CONF=")

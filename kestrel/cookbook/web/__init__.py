@@ -23,6 +23,7 @@ from ..matrix import matrix_rows
 from ..planner import HICACHE_CHOICES, Plan, plan
 from ..recipes import QUANTS, STRATEGIES, Recipe, RecipeRequest, make_recipe
 from ..sglang_recipe import RecipeRefused, supported_devices
+from ..text import roofline_caption
 
 STATIC_DIR = Path(__file__).parent / "static"
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -66,6 +67,7 @@ def _plan_numbers(result: Plan, strings: _Strings) -> dict[str, Any]:
         "admitted": result.admitted_requests,
         "fits": result.fits,
         "fit_reason": strings(result.fit_reason),
+        "roofline_caption": strings(roofline_caption(result)),
         "roofline": [[s.batch, _rounded(s.tokens_per_s_per_user), _rounded(s.tokens_per_s_per_device), c.kv_context,
                       c.indexer_context] for s, c in zip(result.roofline, result.crossovers)],
     }

@@ -73,6 +73,7 @@ function showPlan(plan, numbers) {
   setText("admitted", int(numbers.admitted));
   setText("fits", (numbers.fits == null ? "unknown" : numbers.fits ? "yes" : "no") + ": " + data.strings[numbers.fit_reason]);
   setText("min-devices", Object.entries(plan.min_devices).map(([d, n]) => `${d} ${n == null ? "unknown" : n}`).join(", "));
+  setText("roofline-caption", data.strings[numbers.roofline_caption]);
   fillRows($("roofline").tBodies[0], numbers.roofline.map(([batch, user, gpu, kv, index]) =>
     [String(batch), rate(user), rate(gpu), kv == null ? "—" : int(kv), index == null ? "— (no indexer)" : int(index)]));
   setList("unknowns", plan.unknowns.map((i) => "Unknown: " + data.strings[i]));

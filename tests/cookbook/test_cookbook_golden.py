@@ -1,0 +1,89 @@
+"""Every recipe the generator can emit, against a committed golden file, so any change to a command shows in review.
+
+The golden file lists each distinct command line, note and refusal once under a short key (the first 10 hex digits of
+its SHA-1, so unrelated changes do not renumber it), then one line per offered combination of model x hardware x mode
+x strategy x speculation x HiCache x quantization (at the default request length) naming its lane, SGLang's badge,
+layout, pinned ratio, admitted requests and the keys of its commands per engine, then the CPU recipes. After an
+intended change, refresh it with `.venv/bin/python tests/cookbook/test_cookbook_golden.py` and review the diff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import sys
+from pathlib import Path
+
+from kestrel.cookbook.calculator import MODES, SPEC_MODES
+from kestrel.cookbook.planner import HICACHE_CHOICES
+from kestrel.cookbook.recipes import ENGINES, QUANTS, STRATEGIES, Recipe, RecipeRequest, base_requests, make_recipe
+from kestrel.cookbook.sglang_recipe import RecipeRefused, supported_devices
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "cookbook" / "golden" / "recipes.txt"
+REFRESH = ".venv/bin/python tests/cookbook/test_cookbook_golden.py"
+MODELS = ("k3", "k3.1-pro")
+
+
+class Keys:
+    """Texts by short content key, each listed once in the golden file."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, str] = {}
+
+    def __call__(self, text: str) -> str:
+        key = hashlib.sha1(text.encode()).hexdigest()[:10]
+        self.texts[key] = text
+        return key
+
+
+def all_requests() -> list[RecipeRequest]:
+    """Every combination of the generator's options, then the CPU recipes."""
+    combos = itertools.product(MODELS, supported_devices(), MODES, STRATEGIES, SPEC_MODES, HICACHE_CHOICES,
+                               (None, *QUANTS))
+    return [*(RecipeRequest(*combo) for combo in combos), *(r for r in base_requests() if r.hardware == "cpu")]
+
+
+def recipe_line(recipe: Recipe, keys: Keys) -> str:
+    plan = recipe.plan
+    parts = [recipe.id, f"lane {recipe.lane}", f"SGLang page: {recipe.sglang_status or '-'}",
+             f"{plan.request.layout.describe()} on {recipe.nodes} x {recipe.per_node}", f"ratio {recipe.ratio_text}",
+             f"admitted {plan.admitted_requests}"]
+    for engine in ENGINES:
+        if engine in recipe.refusals:
+            parts.append(f"{engine} refused {keys(recipe.refusals[engine])}")
+            continue
+        command = recipe.commands[engine]
+        parts.append(f"{engine} [{command.image or '-'}] {' '.join(keys(line) for line in command.lines)} notes "
+                     f"{' '.join(keys(note) for note in command.notes) or '-'}")
+    parts.append(f"notes {' '.join(keys(note) for note in recipe.notes) or '-'}")
+    return " | ".join(parts)
+
+
+def golden_text() -> str:
+    keys, refusals, lines = Keys(), Keys(), []
+    for request in all_requests():
+        try:
+            lines.append(recipe_line(make_recipe(request), keys))
+        except RecipeRefused as refused:
+            refusals(str(refused))
+    header = [f"# Every recipe the generator emits ({len(lines)} offered). Refresh after an intended change: {REFRESH}",
+              "", "## Commands and notes"]
+    texts = [f"{key} {text}" for key, text in sorted(keys.texts.items())]
+    reasons = [f"{key} {text}" for key, text in sorted(refusals.texts.items())]
+    return "\n".join([*header, *texts, "", "## Recipes", *lines, "", "## Refusal reasons", *reasons]) + "\n"
+
+
+def test_every_recipe_matches_the_golden_file():
+    expected = GOLDEN.read_text() if GOLDEN.is_file() else ""
+    actual = golden_text()
+    if actual != expected:
+        changed = [line for line in set(actual.splitlines()) ^ set(expected.splitlines())]
+        raise AssertionError(f"{len(changed)} golden lines differ (e.g. {sorted(changed)[:3]}); if the change is "
+                             f"intended, run `{REFRESH}` and review the diff of {GOLDEN.relative_to(ROOT)}.")
+
+
+if __name__ == "__main__":
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(golden_text())
+    print(f"wrote {GOLDEN}", file=sys.stderr)

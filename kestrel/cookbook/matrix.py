@@ -92,7 +92,7 @@ def matrix_markdown(rows: list[MatrixRow]) -> str:
               "(its held-out sample's perplexity through the engine against the model card's). The other tiny models "
               "have no trained checkpoint: their CPU rows serve random weights and record speed only. "
               "The SGLang column is the badge SGLang's own page shows, quoted from "
-              "serving-recipes.md section 3.", "",
+              "serving-recipes.md sections 3 (K3) and 5 (K3.1 Pro).", "",
               "| Recipe | Lane | kestrel badge | SGLang page says | Latest evidence |", "|---|---|---|---|---|"]
     for row in rows:
         evidence = f"{row.summary} — `evidence/{row.evidence[0]}`" if row.evidence else ""

@@ -217,8 +217,9 @@ def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, sta
     layout = request.layout
     stages = layout.stages(model.num_layers)
     budget = int(memory_per_rank * request.mem_fraction)
-    # A stage without KDA layers needs no state memory: one byte per slot stands for "free".
-    state = max(1, max(model.state_bytes_per_slot(settings.ssm_dtype, stage) for stage in stages) // layout.attention_tp)
+    # A model without KDA layers needs no state memory: one byte per slot stands for "free".
+    widest = max(model.state_bytes_per_slot(settings.ssm_dtype, stage) for stage in stages)
+    state = max(1, widest // layout.attention_tp)
     ring = max(_ring_bytes(model, settings, stage) for stage in stages) // layout.attention_tp
     results = []
     for s, stage in enumerate(stages):
@@ -307,9 +308,9 @@ def _spec_notes(request: PlanRequest, settings: CacheSettings) -> list[str]:
              + (draft["draft_kv_source"] if draft and settings.draft_kv_bytes == draft["draft_kv_bytes_per_token"]
                 else "given") + ")"]
     if settings.replay_ssm:
-        notes.append(f"ReplaySSM spec-verify: no verify states (D = 0), but a ring of {settings.replay_cache_len} steps "
-                     "per state slot that SGLang charges to the state pool; the pinned ratio (the page's calculator) "
-                     "leaves the ring out")
+        notes.append(f"ReplaySSM spec-verify: no verify states (D = 0), but a ring of {settings.replay_cache_len} "
+                     "steps per state slot that SGLang charges to the state pool; the pinned ratio (the page's "
+                     "calculator) leaves the ring out")
     return notes
 
 

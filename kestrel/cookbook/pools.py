@@ -8,8 +8,9 @@ rest = memory x mem_fraction - weights. The state pool holds K slots per attenti
   state plus, under ReplaySSM spec-verify, its ring; under speculation without ReplaySSM the D verify states of every
   admitted request share the budget: K = (budget - state x (1 + D)) // (state x (1 + D / S)).
 The verify states take state x (admitted + 1) x D; the K slots take (K + 1) slots (the pool's padding slot); the KV
-pool gets the rest. kestrel's own engine (kestrel/engine/cache/planner.py) has no padding slot: K = budget // slot. A worker admits min(--max-running-requests // dp (else 2,048-4,096 by token capacity),
-tokens // 2, K // S) requests.
+pool gets the rest. A worker admits min(--max-running-requests // dp (else 2,048-4,096 by token capacity),
+tokens // 2, K // S) requests. kestrel's own engine (kestrel/engine/cache/planner.py) has no padding slot:
+K = budget // slot.
 Runtime overheads SGLang subtracts as well (CUDA graphs, activations, communication buffers) are not modelled, so
 the pools here are upper bounds.
 """

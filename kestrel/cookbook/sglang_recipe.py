@@ -89,16 +89,17 @@ def page_settings(model: str) -> dict[str, Any]:
     return {**anchors()["sglang"], **_model_entry(model).get("sglang", {})}
 
 
-def _refuse_unknown_lane(request: RecipeRequest, offered: list[str]) -> None:
+def _missing_lane(request: RecipeRequest, offered: list[str]) -> RecipeRefused:
+    """Why the model's page has no cell for the request's lane (offered: the strategies it has there)."""
     entry = _model_entry(request.model)
     if "unknown_lane" in entry:
-        raise RecipeRefused(entry["unknown_lane"].format(mode=request.mode, strategy=request.strategy,
-                                                         hardware=request.hardware) + ".")
+        return RecipeRefused(entry["unknown_lane"].format(mode=request.mode, strategy=request.strategy,
+                                                          hardware=request.hardware) + ".")
     if request.strategy == "high-concurrency":
-        raise RecipeRefused(f"{request.model}'s SGLang page has no High-Concurrency lane on {request.hardware} "
-                            f"{request.mode}; K3's TP x DCP lane is called Balanced.")
-    raise RecipeRefused(f"SGLang's Kimi-K3 page has no {request.mode} {request.strategy} cell for {request.hardware} "
-                        f"(its {request.mode} strategies there: {', '.join(offered) or 'none'}).")
+        return RecipeRefused(f"{request.model}'s SGLang page has no High-Concurrency lane on {request.hardware} "
+                             f"{request.mode}; K3's TP x DCP lane is called Balanced.")
+    return RecipeRefused(f"SGLang's Kimi-K3 page has no {request.mode} {request.strategy} cell for "
+                         f"{request.hardware} (its {request.mode} strategies there: {', '.join(offered) or 'none'}).")
 
 
 def _find_cell(request: RecipeRequest, key: str) -> dict[str, Any]:
@@ -111,8 +112,7 @@ def _find_cell(request: RecipeRequest, key: str) -> dict[str, Any]:
     for cell in cells:
         if cell["strategy"] == request.strategy:
             return cell
-    _refuse_unknown_lane(request, [c["strategy"] for c in cells])
-    raise AssertionError("unreachable")
+    raise _missing_lane(request, [c["strategy"] for c in cells])
 
 
 def _cell_flags(cell: dict[str, Any], settings: dict[str, Any], mode: str, blackwell: bool) -> Flags:

@@ -212,7 +212,8 @@ def test_vllm_rocm_environment_is_the_recipes():
     line = recipe("k3/mi355x/unified/balanced").commands["vllm"].lines[0]
     assert line.startswith("VLLM_ROCM_USE_AITER=1 ")
     assert " VLLM_USE_BREAKABLE_CUDAGRAPH=0 vllm serve " in line
-    assert '--compilation-config \'{"cudagraph_mode":"FULL_DECODE_ONLY","custom_ops":["+fused_rms_norm_gated"]}\'' in line
+    compilation = '{"cudagraph_mode":"FULL_DECODE_ONLY","custom_ops":["+fused_rms_norm_gated"]}'
+    assert f"--compilation-config '{compilation}'" in line
 
 
 def test_npu_recipes_follow_the_page():

@@ -86,6 +86,7 @@ def test_default_choice_shows_the_b300_low_latency_recipe(page):
     assert text(page, "ratio") == "0.9"
     assert text(page, "admitted") == f"{recipe.plan.admitted_requests:,}"
     assert text(page, "cmd-kestrel").startswith("No command: kestrel's engine runs on one device")
+    assert text(page, "roofline-caption") == "memory reads only: upper bounds"          # the plan fits
 
 
 def test_picking_options_updates_the_command_and_the_numbers(page):

@@ -53,6 +53,8 @@ def junk():
                      st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
 
 
+SCHEMA_FORMAT = st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+    {"name": st.text(max_size=4), "schema": st.one_of(st.just({"type": "object"}), junk())})})
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                  "content": st.one_of(st.text(max_size=20), junk())})
 FIELDS = {
@@ -72,7 +74,11 @@ SHARED = {"max_tokens": st.one_of(st.integers(-1, 6), junk()), "temperature": ju
           "top_k": junk(), "n": st.one_of(st.integers(-1, 3), junk()), "stop": junk(), "seed": junk(),
           "stream": st.booleans(), "model": st.one_of(st.just("k3.1-tiny-test"), junk()), "priority": junk(),
           "stop_token_ids": junk(), "min_tokens": junk(), "min_p": junk(), "repetition_penalty": junk(),
-          "presence_penalty": junk(), "stream_options": st.one_of(st.just({"include_usage": True}), junk())}
+          "presence_penalty": junk(), "stream_options": st.one_of(st.just({"include_usage": True}), junk()),
+          "response_format": st.one_of(st.just({"type": "json_object"}), SCHEMA_FORMAT, junk()),
+          "structured_outputs": st.one_of(st.fixed_dictionaries({"regex": st.text(max_size=8)}), junk()),
+          "guided_json": st.one_of(st.just({"type": "object"}), junk()), "regex": junk(), "ebnf": junk(),
+          "reasoning_effort": st.one_of(st.sampled_from(["none", "low", "max"]), junk())}
 
 
 @st.composite

@@ -66,9 +66,11 @@ class RoutedExperts(nn.Module):
     """E experts of act(w1 z, w3 z) -> w2, held stacked: dense `w1, w3` [E, I, D], `w2` [E, D, I], or MXFP4
     `w{1,3,2}_packed` (uint8, two values per byte along the input dim) with `w{1,3,2}_scale` (E8M0 per 32).
 
-    Packed experts stay packed in memory; the experts a batch uses are dequantized when it runs (by the Triton
-    kernel on CUDA, inside its GEMM). With `mxfp8_activations` (off by default; `--moe-mxfp8-activations`) the
-    GEMM inputs are rounded to MXFP8, as the family's quantization-aware training did (W4A8).
+    Packed experts stay packed in memory; the experts a batch uses are expanded when it runs (by the Triton kernel
+    on CUDA, inside its GEMM; one expert tile at a time by the torch op), unless `hold_dense_copy` keeps a dense copy
+    (the CPU trade of memory for time, costs in `kestrel.ops.torch.moe`). With `mxfp8_activations` (off by default;
+    `--moe-mxfp8-activations`) the GEMM inputs are rounded to MXFP8, as the family's quantization-aware training did
+    (W4A8).
     """
 
     def __init__(self, config: ModelConfig, dim: int):
@@ -83,14 +85,31 @@ class RoutedExperts(nn.Module):
                 *lead, cols = shape
                 self.register_buffer(f"{name}_packed", torch.zeros(*lead, cols // 2, dtype=torch.uint8))
                 self.register_buffer(f"{name}_scale", torch.zeros(*lead, cols // 32, dtype=torch.uint8))
+                self.register_buffer(f"{name}_dense", None, persistent=False)
             else:
                 setattr(self, name, nn.Parameter(torch.zeros(shape)))
 
+    def hold_dense_copy(self, dtype: torch.dtype | None) -> None:
+        """Compute from a dense copy of the packed experts in dtype (w1, w3 [E, I, D], w2 [E, D, I]; bfloat16 holds
+        every MXFP4 value exactly) instead of expanding packed tiles each call; None drops the copy. The copy is
+        taken now, so call this after loading weights; it moves with the module and is not saved."""
+        if not self.mxfp4:
+            raise ValueError("these routed experts are already dense; only MXFP4 experts can hold a dense copy.")
+        for name in ("w1", "w3", "w2"):
+            copy = None if dtype is None else self._packed().dense(name, None, dtype)
+            self.register_buffer(f"{name}_dense", copy, persistent=False)
+
     def weights(self) -> ExpertWeights:
-        if self.mxfp4:
-            return ExpertWeights(self.w1_packed, self.w3_packed, self.w2_packed, self.w1_scale, self.w3_scale,
-                                 self.w2_scale)
-        return ExpertWeights(self.w1, self.w3, self.w2)
+        """The experts as the op takes them: the dense parameters, the held dense copy, or the packed buffers."""
+        if not self.mxfp4:
+            return ExpertWeights(self.w1, self.w3, self.w2)
+        if self.w1_dense is not None:
+            return ExpertWeights(self.w1_dense, self.w3_dense, self.w2_dense)
+        return self._packed()
+
+    def _packed(self) -> ExpertWeights:
+        return ExpertWeights(self.w1_packed, self.w3_packed, self.w2_packed, self.w1_scale, self.w3_scale,
+                             self.w2_scale)
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype."""
@@ -128,3 +147,15 @@ class MoE(nn.Module):
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
         return y
+
+
+def hold_dense_experts(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """RoutedExperts.hold_dense_copy(dtype) for every MXFP4 routed-expert module of model (None drops the copies);
+    returns the bytes the copies now take."""
+    held = 0
+    for module in model.modules():
+        if isinstance(module, RoutedExperts) and module.mxfp4:
+            module.hold_dense_copy(dtype)
+            if dtype is not None:
+                held += sum(getattr(module, f"{name}_dense").nbytes for name in ("w1", "w3", "w2"))
+    return held

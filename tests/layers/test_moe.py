@@ -1,14 +1,19 @@
-"""Routing against transformers' grouped top-k router; MXFP4 experts against the same experts held dense."""
+"""Routing against transformers' grouped top-k router; MXFP4 experts against the same experts held dense; the MoE
+layer (latent or not, shared experts or not) against its formula written out token by token; held dense copies of
+MXFP4 experts; greedy tokens of tiny models with the layer replaced by that formula."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 
+import pytest
 import torch
 
+from helpers import greedy_generate, tiny_model
 from kestrel.config import parse_config
-from kestrel.layers.moe import MoE, Router
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.moe import MoE, Router, hold_dense_experts
 from kestrel.models.presets import tiny_config
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
 
@@ -83,3 +88,93 @@ def test_mxfp8_activation_fake_quant_is_off_by_default_and_close_when_on():
         quantized = packed(x)
     assert not torch.equal(exact, quantized)
     assert (quantized - exact).norm() / exact.norm() < 0.05
+
+
+def plain_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward written out in float64 one token and one chosen expert at a time (the router's choice and
+    weights taken as given): x [T, hidden] -> [T, hidden] float64."""
+    ids, weights = moe.gate(x)
+    experts = moe.experts.weights()
+    w1, w3, w2 = (dequantize_mxfp4(getattr(experts, n), getattr(experts, f"{n}_scale"), torch.float64)
+                  if experts.mxfp4 else getattr(experts, n).double() for n in ("w1", "w3", "w2"))
+    act = moe.experts.activation
+    x = x.double()
+    z = x @ moe.routed_expert_down_proj.weight.double().t() if moe.latent else x
+    y = torch.stack([sum(w * w2[e] @ act(w1[e] @ z[t], w3[e] @ z[t]) for e, w in zip(ids[t], weights[t].double()))
+                     for t in range(len(x))])
+    if hasattr(moe, "routed_expert_norm"):
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + moe.routed_expert_norm.eps)
+        y = y * moe.routed_expert_norm.weight.double()
+    if moe.latent:
+        y = y @ moe.routed_expert_up_proj.weight.double().t()
+    if hasattr(moe, "shared_experts"):
+        shared = moe.shared_experts
+        gate, up = (x @ proj.weight.double().t() for proj in (shared.gate_proj, shared.up_proj))
+        y = y + shared.activation(gate, up) @ shared.down_proj.weight.double().t()
+    return y
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny"])
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("shared", [0, 2])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_moe_layer_matches_its_token_by_token_formula(preset: str, mxfp4: bool, shared: int, tokens: int) -> None:
+    raw = tiny_config(preset)
+    config = dataclasses.replace(parse_config(raw), num_shared_experts=shared, experts_mxfp4=mxfp4)
+    generator = torch.Generator().manual_seed(tokens)
+    moe = MoE(config)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    if mxfp4:
+        for name in ("w1", "w3", "w2"):
+            packed = getattr(moe.experts, f"{name}_packed")
+            q, s = quantize_mxfp4(torch.randn(*packed.shape[:-1], 2 * packed.shape[-1], generator=generator) * 0.2)
+            packed.copy_(q)
+            getattr(moe.experts, f"{name}_scale").copy_(s)
+    x = torch.randn(tokens, config.hidden_size, generator=generator)
+    with torch.no_grad():
+        expected = plain_moe(moe, x)
+        actual = moe(x)
+    assert hasattr(moe, "shared_experts") == bool(shared)
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_held_dense_copies_compute_what_the_packed_experts_do() -> None:
+    packed, _ = packed_and_dense_moe()
+    keys = set(packed.state_dict())
+    x = torch.randn(30, 64)
+    with torch.no_grad():
+        expected = packed(x)
+        for dtype in (torch.bfloat16, torch.float32):
+            packed.experts.hold_dense_copy(dtype)
+            assert packed.experts.weights().w1.dtype == dtype and not packed.experts.weights().mxfp4
+            torch.testing.assert_close(packed(x), expected, rtol=0, atol=0)
+        packed.experts.hold_dense_copy(None)
+        assert packed.experts.weights().mxfp4
+    assert set(packed.state_dict()) == keys
+
+
+def test_dense_experts_refuse_a_dense_copy() -> None:
+    _, dense = packed_and_dense_moe()
+    with pytest.raises(ValueError, match="already dense"):
+        dense.experts.hold_dense_copy(torch.bfloat16)
+
+
+@pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny"])
+def test_greedy_tokens_equal_the_token_by_token_formula(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill of 3 prompts, then batched decode: the same tokens with the MoE layers computed token by token, with
+    the in-place op on packed experts, and on a held bf16 copy; and close logits over a whole sequence."""
+    model, _ = tiny_model(preset)
+    prompts = [[5, 17, 99, 3, 42, 8, 7], [200, 1], list(range(30, 70))]
+    sequence = torch.tensor(prompts[2])
+    with torch.inference_mode():
+        ours = greedy_generate(model, prompts, 8)
+        our_logits = model.compute_logits(model(sequence, ForwardBatch.build([len(sequence)])))
+        held = hold_dense_experts(model, torch.bfloat16)
+        assert held > 0 if model.config.experts_mxfp4 else held == 0
+        assert greedy_generate(model, prompts, 8) == ours
+        hold_dense_experts(model, None)
+        monkeypatch.setattr(MoE, "forward", lambda self, x: plain_moe(self, x).to(x.dtype))
+        assert greedy_generate(model, prompts, 8) == ours
+        plain_logits = model.compute_logits(model(sequence, ForwardBatch.build([len(sequence)])))
+    torch.testing.assert_close(our_logits, plain_logits, rtol=1e-4, atol=1e-4)

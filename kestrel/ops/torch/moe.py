@@ -1,15 +1,25 @@
-"""The routed experts' grouped GEMM: act(x W1^T, x W3^T) W2^T for every token-expert pair, weighted and summed.
+"""The routed experts: sum_k weights[t, k] * W2_e act(W1_e z_t, W3_e z_t) over each token's chosen experts e.
 
-The reference for the Triton grouped GEMM, computing what `kestrel.layers.moe.RoutedExperts.forward` computes:
-pairs are grouped by expert and padded to the busiest expert's count, the experts in use are dequantized (MXFP4)
-or gathered (dense) in the activation dtype, and each GEMM is one batched matmul, its inputs fake-quantized to
-MXFP8 when asked.
+The reference for the Triton grouped GEMM, and the CPU path itself. Token-expert pairs are sorted by expert, so each
+expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: a view of the
+stacked dense weights (no copy when they are in the activation dtype), or the expert's MXFP4 tile expanded for this
+call (only the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted
+rows are added back to their tokens with index_add. No padding, and no weight matrix is copied per token.
+
+MXFP4 on the CPU, per expert matrix used in a step (measured by benchmarks/bench_moe_cpu.py, docs/benchmarks.md
+section "moe-cpu"; I x D weights, float32 activations):
+- packed (the default): 0.53 bytes per weight in memory (4.25 bits), nothing more; each call expands the tiles of
+  the experts in use with one 65,536-entry table lookup per byte (`expand_mxfp4`, about 1 ns per weight, ~20x faster
+  than `kestrel.quant.dequantize_mxfp4`), which dominates decode time once most experts are in use.
+- a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight; exact (bfloat16
+  holds every MXFP4 value), used in place by bfloat16 models, cast per call (~0.1 ns per weight) by float32 ones.
+- a dense float32 copy: +4 bytes per weight; used in place, the fastest float32 decode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +27,27 @@ import torch.nn.functional as F
 from ...quant import dequantize_mxfp4, fake_quantize_mxfp8
 
 SILU, SITU = "silu", "situ"
+_PAIR_INT = {2: torch.int32, 4: torch.int64}
+"""The integer dtype as wide as two values of a 2- or 4-byte float: one gather moves both values of a packed byte."""
+
+
+@cache
+def _mxfp4_pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[65536] entries: entry 256 * scale + byte holds byte's two values (low nibble first) under E8M0 scale `scale`
+    in dtype, as dequantize_mxfp4 computes them (NaN for scale 0xFF); each pair is one integer of twice dtype's width
+    when there is one (so one gather moves both values), else a row [2]."""
+    packed = torch.arange(256, dtype=torch.uint8, device=device).repeat(256).view(4096, 16)    # 16 bytes per scale
+    scale = torch.arange(256, dtype=torch.uint8, device=device).repeat_interleave(16).view(4096, 1)
+    pairs = dequantize_mxfp4(packed, scale, dtype).view(65536, 2)
+    return pairs.view(_PAIR_INT[dtype.itemsize]).flatten() if dtype.itemsize in _PAIR_INT else pairs
+
+
+def expand_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_mxfp4(packed, scale, dtype) by one table lookup per byte: packed uint8 [..., K/2] and E8M0 scale
+    uint8 [..., K/32] -> [..., K] in dtype."""
+    index = (scale.int() << 8).unsqueeze(-1) | packed.unflatten(-1, (scale.shape[-1], 16))   # int32 [..., K/32, 16]
+    values = _mxfp4_pair_table(dtype, packed.device).index_select(0, index.flatten()).view(dtype)
+    return values.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -39,16 +70,20 @@ class ExpertWeights:
     def mxfp4(self) -> bool:
         return self.w1_scale is not None
 
-    def dense(self, name: str, experts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Weight `name` (w1, w3 or w2) as dense [E', out, in] in dtype: of the experts [E'], or of all of them
-        (dense weights used in place, no copy in their own dtype) when experts is None."""
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def dense(self, name: str, expert: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Weight `name` (w1, w3 or w2) in dtype: expert `expert`'s [out, in], or all experts' [E, out, in] when
+        expert is None. Dense weights already in dtype are returned in place (a view); MXFP4 ones are expanded."""
         weight = getattr(self, name)
-        if experts is not None:
-            weight = weight[experts]
         if not self.mxfp4:
-            return weight.to(dtype)
+            return (weight if expert is None else weight[expert]).to(dtype)
         scale = getattr(self, f"{name}_scale")
-        return dequantize_mxfp4(weight, scale if experts is None else scale[experts], dtype)
+        if expert is not None:
+            weight, scale = weight[expert], scale[expert]
+        return expand_mxfp4(weight, scale, dtype)
 
 
 @dataclass(frozen=True)
@@ -74,35 +109,25 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
 
     z: [T, D] (fp32, fp16 or bf16); ids: [T, k] int64; weights: [T, k] fp32 routing weights. Each expert GEMM
     runs in z's dtype, its input rounded to MXFP8 first with mxfp8_activations (D and I multiples of 32); the
-    weighted sum is accumulated in fp32.
+    weighted sum is accumulated in fp32. Differentiable with respect to z, weights and dense experts.
     """
-    quantize = fake_quantize_mxfp8 if mxfp8_activations else (lambda t: t)
-    return grouped_moe(z, ids, weights, experts, activation, quantize_inputs=quantize)
-
-
-def grouped_moe(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
-                activation: GLUActivation, quantize_inputs: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """moe_experts with quantize_inputs (e.g. MXFP8 fake quantization) applied to both GEMMs' inputs.
-
-    Pairs are grouped by expert and padded to the busiest expert's count, so each GEMM is one batched matmul over
-    the experts in use, or over all experts (dense weights in place, no copies) when most of them are in use.
-    """
-    if z.shape[0] == 0:
+    if ids.numel() == 0:
         return torch.zeros_like(z)
-    top_k = ids.shape[1]
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    tokens = order // top_k
-    used, group = flat[order].unique_consecutive(return_inverse=True)
-    if not experts.mxfp4 and 2 * len(used) > experts.w1.shape[0]:
-        used, group = None, flat[order]
-    counts = torch.bincount(group, minlength=experts.w1.shape[0] if used is None else len(used))
-    row = torch.arange(len(order), device=z.device) - (counts.cumsum(0) - counts)[group]
-    width = int(counts.max())
-    slot = group * width + row                                   # [T * k]: each pair's row in the padded batch
-    x = z.new_zeros(len(counts) * width, z.shape[1]).index_copy(0, slot, z.index_select(0, tokens))
-    x = quantize_inputs(x.view(len(counts), width, -1))
-    w1, w3, w2 = (experts.dense(name, used, z.dtype) for name in ("w1", "w3", "w2"))
-    h = quantize_inputs(activation(x @ w1.transpose(1, 2), x @ w3.transpose(1, 2)))
-    y = (h @ w2.transpose(1, 2)).flatten(0, 1).index_select(0, slot).float() * weights.flatten()[order].unsqueeze(-1)
-    return torch.zeros_like(z, dtype=torch.float32).index_add(0, tokens, y).to(z.dtype)
+    quantize = fake_quantize_mxfp8 if mxfp8_activations else (lambda t: t)
+    pairs = ids.flatten()
+    order = pairs.argsort(stable=True)                       # [T * k]: the token-expert pairs, sorted by expert
+    tokens = order // ids.shape[1]                           # each sorted pair's token
+    counts = torch.bincount(pairs, minlength=experts.num_experts).tolist()
+    groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
+    x = quantize(z.index_select(0, tokens))                  # [P, D]: each expert's rows one contiguous slice
+    gate, up = (_per_expert(x, groups, experts, name) for name in ("w1", "w3"))
+    y = _per_expert(quantize(activation(gate, up)), groups, experts, "w2")
+    scaled = y.float() * weights.flatten().index_select(0, order).unsqueeze(-1)
+    return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, tokens, scaled).to(z.dtype)
+
+
+def _per_expert(x: torch.Tensor, groups: list[tuple[int, int]], experts: ExpertWeights, name: str) -> torch.Tensor:
+    """x [P, in], rows grouped by expert as `groups` (expert, rows) says -> [P, out]: each group times its expert's
+    weight `name` (transposed), in x's dtype."""
+    parts = x.split([rows for _, rows in groups])
+    return torch.cat([part @ experts.dense(name, e, x.dtype).t() for (e, _), part in zip(groups, parts)])

@@ -1,0 +1,135 @@
+"""The routed experts' torch op (the CPU path and the reference) against the plain formula, token by token in float64:
+dense and MXFP4 experts, SiLU and SiTU, 1 to 64 tokens, a token routed twice to one expert, many tokens on one expert,
+experts with no tokens; gradients; MXFP4's table expansion against kestrel.quant.dequantize_mxfp4; and the op works
+in place: no tensor it creates is as large as the weights of two experts' matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from kestrel.ops.torch.moe import ExpertWeights, GLUActivation, expand_mxfp4, moe_experts
+from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
+
+ACTIVATIONS = {"silu": GLUActivation("silu"), "situ": GLUActivation("situ", beta=4.0, linear_beta=25.0)}
+NUM_EXPERTS, DIM, INTER, TOP_K = 8, 64, 32, 3
+
+
+def float64_weight(experts: ExpertWeights, name: str) -> torch.Tensor:
+    """Weight `name` of all experts [E, out, in] in float64, dequantized by kestrel.quant when packed."""
+    weight = getattr(experts, name)
+    if experts.mxfp4:
+        return dequantize_mxfp4(weight, getattr(experts, f"{name}_scale"), torch.float64)
+    return weight.double()
+
+
+def per_token(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+              activation: GLUActivation) -> torch.Tensor:
+    """sum_k weights[t, k] * W2_e act(W1_e z_t, W3_e z_t), one token and one choice at a time: [T, D] float64."""
+    w1, w3, w2 = (float64_weight(experts, name) for name in ("w1", "w3", "w2"))
+    rows = []
+    for t in range(z.shape[0]):
+        x = z[t].double()
+        rows.append(sum(w * w2[e] @ activation(w1[e] @ x, w3[e] @ x) for e, w in zip(ids[t], weights[t].double())))
+    return torch.stack(rows)
+
+
+def make_experts(mxfp4: bool, generator: torch.Generator, dim: int = DIM, inter: int = INTER) -> ExpertWeights:
+    dense = [torch.randn(NUM_EXPERTS, inter, dim, generator=generator) * 0.1,
+             torch.randn(NUM_EXPERTS, inter, dim, generator=generator) * 0.1,
+             torch.randn(NUM_EXPERTS, dim, inter, generator=generator) * 0.1]
+    if not mxfp4:
+        return ExpertWeights(*dense)
+    packed, scales = zip(*(quantize_mxfp4(w) for w in dense))
+    return ExpertWeights(*packed, *scales)
+
+
+def routing(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] among experts 0..E-3 (the last two get no tokens), half the tokens on expert 0, token 0 routed to
+    expert 1 twice; routing weights [T, k] in [0, 1)."""
+    ids = torch.stack([torch.randperm(NUM_EXPERTS - 2, generator=generator)[:TOP_K] for _ in range(tokens)])
+    ids[: (tokens + 1) // 2, 0] = 0
+    ids[0] = torch.tensor([1, 1, 0])
+    return ids, torch.rand(tokens, TOP_K, generator=generator)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 64])
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+def test_matches_the_per_token_formula(tokens: int, mxfp4: bool, activation: str) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    experts = make_experts(mxfp4, generator)
+    z = torch.randn(tokens, DIM, generator=generator)
+    ids, weights = routing(tokens, generator)
+    expected = per_token(z, ids, weights, experts, ACTIVATIONS[activation])
+    actual = moe_experts(z, ids, weights, experts, ACTIVATIONS[activation])
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_no_tokens() -> None:
+    experts = make_experts(True, torch.Generator().manual_seed(0))
+    out = moe_experts(torch.zeros(0, DIM), torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K), experts,
+                      ACTIVATIONS["situ"])
+    assert out.shape == (0, DIM)
+
+
+def test_gradients_match_the_per_token_formula() -> None:
+    generator = torch.Generator().manual_seed(5)
+    dense = make_experts(False, generator)
+    experts = ExpertWeights(*(w.requires_grad_() for w in (dense.w1, dense.w3, dense.w2)))
+    z = torch.randn(9, DIM, generator=generator, requires_grad=True)
+    ids, weights = routing(9, generator)
+    weights.requires_grad_()
+    probe = torch.randn(9, DIM, generator=generator)
+    leaves = [z, weights, experts.w1, experts.w3, experts.w2]
+    actual = torch.autograd.grad((moe_experts(z, ids, weights, experts, ACTIVATIONS["situ"]) * probe).sum(), leaves)
+    expected = torch.autograd.grad((per_token(z, ids, weights, experts, ACTIVATIONS["situ"]) * probe).sum(), leaves)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_table_expansion_equals_dequantize_mxfp4(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8, generator=generator)
+    scale = torch.randint(0, 256, (3, 5, 4), dtype=torch.uint8, generator=generator)
+    scale[0, 0] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)      # smallest, subnormal-adjacent, largest, NaN
+    expected = dequantize_mxfp4(packed, scale, dtype)
+    actual = expand_mxfp4(packed, scale, dtype)
+    assert actual.dtype == dtype and actual.shape == (3, 5, 128)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+class LargestNewTensor(TorchDispatchMode):
+    """Records the bytes of the largest tensor any op creates (views of its inputs do not count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_experts_are_used_in_place(tokens: int, mxfp4: bool) -> None:
+    """Dense experts in the activation dtype are never copied; packed ones are expanded one expert matrix at a time."""
+    generator = torch.Generator().manual_seed(4)
+    dim = inter = 128
+    experts = make_experts(mxfp4, generator, dim, inter)
+    z = torch.randn(tokens, dim, generator=generator)
+    ids, weights = routing(tokens, generator)
+    moe_experts(z, ids, weights, experts, ACTIVATIONS["situ"])          # builds the expansion table once
+    with LargestNewTensor() as mode:
+        moe_experts(z, ids, weights, experts, ACTIVATIONS["situ"])
+    matrix = inter * dim * 4
+    assert mode.largest == matrix if mxfp4 else mode.largest < matrix

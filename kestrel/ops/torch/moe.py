@@ -6,14 +6,18 @@ stacked dense weights (no copy when they are in the activation dtype), or the ex
 call (only the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted
 rows are added back to their tokens with index_add. No padding, and no weight matrix is copied per token.
 
-MXFP4 on the CPU, per expert matrix used in a step (measured by benchmarks/bench_moe_cpu.py, docs/benchmarks.md
-section "moe-cpu"; I x D weights, float32 activations):
-- packed (the default): 0.53 bytes per weight in memory (4.25 bits), nothing more; each call expands the tiles of
-  the experts in use with one 65,536-entry table lookup per byte (`expand_mxfp4`, about 1 ns per weight, ~20x faster
-  than `kestrel.quant.dequantize_mxfp4`), which dominates decode time once most experts are in use.
-- a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight; exact (bfloat16
-  holds every MXFP4 value), used in place by bfloat16 models, cast per call (~0.1 ns per weight) by float32 ones.
-- a dense float32 copy: +4 bytes per weight; used in place, the fastest float32 decode.
+MXFP4 on the CPU: three compute formats, measured by benchmarks/bench_moe_cpu.py (docs/benchmarks.md, "moe-cpu") on
+a 437M-parameter K3 (64 experts top-4, 11 MoE layers, 277M routed weights) in float32, one thread; time per step
+spent in the routed experts, at decode of 1 / 32 sequences and a prefill of 128 tokens (one run; runs vary by
+~20%):
+- packed (the default): 0.53 bytes per weight (140 MiB), nothing more; each call expands the tiles of the experts
+  in use, one 65,536-entry table lookup per byte (`expand_mxfp4`, ~1.5 ns per weight, ~10x faster than
+  `kestrel.quant.dequantize_mxfp4`). 25 / 257 / 361 ms: the expansion dominates once most experts are in use.
+- a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight (+528 MiB);
+  exact (bfloat16 holds every MXFP4 value); used in place by bfloat16 models, cast per call by float32 ones.
+  17 / 135 / 196 ms.
+- a dense float32 copy: +4 bytes per weight (+1,056 MiB), used in place. 13 / 153 / 215 ms.
+The previous path (used experts gathered and dequantized whole every call) took 281 / 4,350 / 5,909 ms.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ class EngineArgs:
     kda_backend: str = "auto"                    # KDA decode and prefill over the state pool
     norm_backend: str = "auto"                   # AttnRes mix + RMSNorm
     moe_mxfp8_activations: bool = False          # round routed-expert GEMM inputs to MXFP8 (W4A8, as K3's QAT)
+    moe_dense_experts: str = "none"              # CPU: keep a dense copy of MXFP4 experts (none, bfloat16, float32)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
 
@@ -60,6 +61,7 @@ class EngineArgs:
              "at least 1"),
             (self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens", "at least 1"),
             (self.mamba_ssm_dtype in SSM_DTYPES, "mamba_ssm_dtype", f"one of {', '.join(SSM_DTYPES)}"),
+            (self.moe_dense_experts in ("none", *DTYPES), "moe_dense_experts", f"one of none, {', '.join(DTYPES)}"),
             (self.kv_cache_dtype in ("auto", *KV_DTYPES), "kv_cache_dtype", f"one of auto, {', '.join(KV_DTYPES)}"),
             (self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests",
              "at least 1"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..layers.cache import HybridCache
-from ..layers.moe import RoutedExperts
+from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.checkpoint import load_model
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.kv_pool import KVPool
@@ -47,6 +47,7 @@ class LLMEngine:
         self.config = self.model.config
         if args.moe_mxfp8_activations:
             self._use_mxfp8_activations()
+        dense_experts = self._hold_dense_experts(device)
         self.tokenizer = Tokenizer.from_folder_or_none(folder)
         if self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -59,8 +60,8 @@ class LLMEngine:
         ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
         weights = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
-        self.plan = plan_memory(self.config, args, sum(weights.values()), device_memory(device), dtype, ssm_dtype,
-                                kv_dtype)
+        self.plan = plan_memory(self.config, args, sum(weights.values()) + dense_experts, device_memory(device),
+                                dtype, ssm_dtype, kv_dtype)
         log.info(self.plan.describe())
         graphs = not args.disable_cuda_graph and graphs_supported(device)
         scratch = 1 if graphs else 0      # a state slot and a page, beyond the pools, for graph batches' padding
@@ -101,6 +102,16 @@ class LLMEngine:
         for module in self.model.modules():
             if isinstance(module, RoutedExperts):
                 module.mxfp8_activations = True
+
+    def _hold_dense_experts(self, device: torch.device) -> int:
+        """--moe-dense-experts: a dense copy of the MXFP4 routed experts for the CPU's in-place MoE (about 2x faster
+        experts for 2 or 4 bytes per weight, docs/benchmarks.md moe-cpu); returns the bytes the copy takes."""
+        if self.args.moe_dense_experts == "none":
+            return 0
+        if device.type != "cpu" or not self.config.experts_mxfp4:
+            raise ValueError(f"--moe-dense-experts is for MXFP4 experts on the CPU, and {self.args.model} on "
+                             f"{device.type} has {'MXFP4' if self.config.experts_mxfp4 else 'dense'} experts.")
+        return hold_dense_experts(self.model, DTYPES[self.args.moe_dense_experts])
 
     @property
     def context_length(self) -> int:

@@ -284,3 +284,22 @@ def test_moe_mxfp8_activations_flag_runs_every_routed_expert_in_w4a8(model_dir):
 def test_moe_mxfp8_activations_refuse_expert_widths_off_the_32_blocks(narrow_experts_dir):
     with pytest.raises(ValueError, match=r"multiples of 32, and .*'s are \(\d+, 40\)"):
         LLM(str(narrow_experts_dir), moe_mxfp8_activations=True)
+
+
+def test_moe_dense_experts_compute_from_an_exact_copy_counted_in_the_plan(model_dir, kimi_linear_dir):
+    """--moe-dense-experts bfloat16: the routed experts compute from a dense copy (bfloat16 holds every MXFP4 value
+    exactly), so the engine decodes the packed engine's tokens; the copy's 2 bytes per routed weight are planned
+    as weights. Models whose experts are dense already refuse it."""
+    prompts, params = random_prompts(3, seed=5), greedy(6, logprobs=0)
+    packed, dense = LLM(str(model_dir), page_size=4), LLM(str(model_dir), page_size=4, moe_dense_experts="bfloat16")
+    a, b = packed.generate(ids_of(prompts), params), dense.generate(ids_of(prompts), params)
+    assert tokens(a) == tokens(b)
+    for x, y in zip(a, b):
+        for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert abs(next(iter(p.values())).logprob - next(iter(q.values())).logprob) < 1e-4
+    config = packed.engine.config
+    moe_layers = sum(isinstance(m, RoutedExperts) for m in packed.engine.model.modules())
+    copy_bytes = 2 * moe_layers * config.num_experts * 3 * config.moe_intermediate_size * config.expert_dim
+    assert dense.engine.plan.weight_bytes - packed.engine.plan.weight_bytes == copy_bytes
+    with pytest.raises(ValueError, match="--moe-dense-experts is for MXFP4 experts on the CPU"):
+        LLM(str(kimi_linear_dir), moe_dense_experts="bfloat16")

@@ -130,7 +130,8 @@ class AsyncEngine:
             self._apply_commands(block=idle)
             if self.engine.has_unfinished_requests():
                 self._step()
-            self._stats = self._snapshot()      # after commands and aborts too
+            else:
+                self._stats = self._snapshot()  # after the commands and aborts that emptied it
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -163,7 +164,9 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:   # an engine fault outside every request's guard fails the requests running
             log.exception("engine step failed")
-            for request_id in self.engine.fail_running():
+            failed = self.engine.fail_running()
+            self._stats = self._snapshot()
+            for request_id in failed:
                 self._deliver(request_id, RequestFailed(f"the engine failed while running this request: {e}"))
             return
         self._stats = self._snapshot()      # before delivering: a client that saw its tokens is counted running

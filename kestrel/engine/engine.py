@@ -184,7 +184,7 @@ class LLMEngine:
 
     def num_running_requests(self) -> int:
         """Requests with at least one sequence holding a state slot."""
-        return sum(any(s.status is Status.RUNNING for s in r.sequences) for r in self.requests.values())
+        return len({seq.request.request_id for seq in self.scheduler.running})
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -201,8 +201,8 @@ def _sampling_params(body: SamplingFields, state: ServerState, *args, **kwargs) 
 
 
 async def _compiled(state: ServerState, requested: RequestedConstraint | None) -> StructuredOutputsParams | None:
-    """The request's output constraint, compiled here in a worker thread (so a bad one is a 400 at once and the
-    engine finds it in the grammar cache), or None."""
+    """The request's output constraint, compiled on the grammar compiler's threads before the request goes on (so
+    a bad one is a 400 at once and the engine finds it in the grammar cache), or None."""
     if requested is None:
         return None
     grammars = state.engine.grammars
@@ -210,7 +210,7 @@ async def _compiled(state: ServerState, requested: RequestedConstraint | None) -
         raise ApiError(400, f"{requested.field} needs the model's tokenizer with an end-of-sequence token, which "
                             "this model lacks.", requested.field)
     try:
-        await asyncio.to_thread(grammars.compile, requested.params)
+        await asyncio.wrap_future(grammars.submit(requested.params))
     except ValueError as e:
         raise ApiError(400, f"{requested.field}: {e}", requested.field) from e
     return requested.params

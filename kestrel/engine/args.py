@@ -48,6 +48,23 @@ class EngineArgs:
     norm_backend: str = "auto"                   # AttnRes mix + RMSNorm
     moe_mxfp8_activations: bool = False          # round routed-expert GEMM inputs to MXFP8 (W4A8, as K3's QAT)
     moe_dense_experts: str = "none"              # CPU: keep a dense copy of MXFP4 experts (none, bfloat16, float32)
+    disable_radix_cache: bool = False            # prefix caching off: every prompt computed from its first token
+    mamba_scheduler_strategy: str = "no_buffer"  # prefix cache: where KDA state snapshots are taken (see radix.py)
+    mamba_track_interval: int = 256              # extra_buffer: a snapshot every this many decode tokens
+    enable_hierarchical_cache: bool = False      # evicted cache entries spill to host memory, then storage
+    hicache_ratio: float = 2.0                   # host tier size as a multiple of the device caches
+    hicache_size: int = 0                        # host tier size in GB (overrides hicache_ratio when > 0)
+    hicache_storage_backend: str = "none"        # third tier: none, file
+    hicache_storage_dir: str | None = None       # the file backend's directory
+    tp_size: int = 1                             # tensor parallelism (ranks per model replica)
+    ep_size: int = 1                             # expert parallelism over the TP ranks
+    dp_size: int = 1                             # data parallelism (with enable_dp_attention: attention only)
+    enable_dp_attention: bool = False
+    dcp_size: int = 1                            # decode context parallelism of the MLA cache
+    pp_size: int = 1                             # pipeline stages
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None            # HOST:PORT of rank 0's rendezvous (multi-node)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
 
@@ -71,6 +88,21 @@ class EngineArgs:
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),
+            (self.mamba_scheduler_strategy in ("no_buffer", "extra_buffer"), "mamba_scheduler_strategy",
+             "no_buffer or extra_buffer"),
+            (self.mamba_track_interval >= 1, "mamba_track_interval", "at least 1"),
+            (self.hicache_ratio > 0, "hicache_ratio", "positive"),
+            (self.hicache_size >= 0, "hicache_size", "at least 0"),
+            (self.hicache_storage_backend in ("none", "file"), "hicache_storage_backend", "none or file"),
+            (self.hicache_storage_backend != "file" or self.hicache_storage_dir, "hicache_storage_dir",
+             "set for --hicache-storage-backend file"),
+            (self.tp_size >= 1, "tp_size", "at least 1"),
+            (self.ep_size >= 1, "ep_size", "at least 1"),
+            (self.dp_size >= 1, "dp_size", "at least 1"),
+            (self.dcp_size >= 1, "dcp_size", "at least 1"),
+            (self.pp_size >= 1, "pp_size", "at least 1"),
+            (self.nnodes >= 1, "nnodes", "at least 1"),
+            (0 <= self.node_rank < self.nnodes, "node_rank", "in [0, nnodes)"),
         ]
         checks += [(getattr(self, f"{family}_backend") in CHOICES, f"{family}_backend",
                     f"one of {', '.join(CHOICES)}") for family in FAMILIES]

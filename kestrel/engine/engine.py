@@ -16,6 +16,7 @@ from ..layers.cache import HybridCache
 from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.checkpoint import load_model
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
+from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlanError, device_memory, plan_memory
@@ -76,7 +77,8 @@ class LLMEngine:
         max_pages = -(-self.plan.context_length // self.plan.page_size)
         # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
         page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
-        self.scheduler = Scheduler(StatePool(self.cache, slots), KVPool(self.cache, pages), page_table,
+        ops = DeviceOps()
+        self.scheduler = Scheduler(StatePool(slots, ops), KVPool(pages, self.plan.page_size, ops), page_table,
                                    self.plan.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
         decode_graphs = None
         if graphs:
@@ -84,7 +86,7 @@ class LLMEngine:
             decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_batch, scratch_slot=slots)
             log.info("decode: CUDA graphs for batches of up to %d sequences, captured on first use",
                      decode_graphs.max_batch_size)
-        self.runner = ModelRunner(self.model, self.cache, page_table, decode_graphs)
+        self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()

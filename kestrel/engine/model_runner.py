@@ -7,6 +7,7 @@ import torch
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
+from .cache.device_ops import DeviceOps, apply_ops
 from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
@@ -15,14 +16,16 @@ from .scheduler import ScheduledChunk
 class ModelRunner:
     """Builds the ForwardBatch (token ids, prefix lengths, state slots, their page-table rows) and runs the model.
 
+    Each step first applies the cache copies journaled in ops since the last step, and the page table's changes.
     With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead.
     """
 
-    def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable,
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
                  decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table
+        self.ops = ops
         self.device = model.lm_head.weight.device
         self.decode_graphs = decode_graphs
 
@@ -30,6 +33,7 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], all_rows: set[int]) -> list[torch.Tensor | None]:
         """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
         every position), [1, vocab] at the last token for chunks that sample, None for the rest."""
+        apply_ops(self.cache, self.ops.take())
         self.page_table.flush()
         graphs, width = self.decode_graphs, max(len(c.seq.pages) for c in chunks)
         if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
-from ...layers.cache import HybridCache
+from .device_ops import DeviceOps
 
 
 class KVPool:
-    """Hands out pages of a HybridCache's MLA cache (all MLA layers' latents and indexer keys at once)."""
+    """Hands out page numbers of a HybridCache's MLA cache (all MLA layers' latents and indexer keys at once)."""
 
-    def __init__(self, cache: HybridCache, num_pages: int):
-        self.cache = cache
+    def __init__(self, num_pages: int, page_size: int, ops: DeviceOps):
         self.num_pages = num_pages
-        self.page_size = cache.page_size
+        self.page_size = page_size
+        self.ops = ops
         self._free = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
 
@@ -45,9 +43,5 @@ class KVPool:
                 self._free.append(page)
 
     def copy_page(self, src: int, dst: int) -> None:
-        """Copy page src's contents to page dst in every MLA layer."""
-        rows = torch.arange(self.page_size)
-        for layer in self.cache.mla:
-            for paged in (layer.latent, layer.index_keys):
-                if paged is not None:
-                    paged.copy_rows(src * self.page_size + rows, dst * self.page_size + rows)
+        """Copy page src's contents to page dst in every MLA layer before the next step."""
+        self.ops.copy_pages([src], [dst])

@@ -32,10 +32,19 @@ class PageTable:
 
     def flush(self) -> None:
         """Write the changes recorded since the last flush."""
-        if self._pending:
-            slot, column, page = torch.tensor(self._pending).view(-1, 3).t().to(self.rows.device)
+        self.apply(self.take())
+
+    def take(self) -> list[int]:
+        """The changes recorded since the last flush, as flattened (slot, column, page) triples, now cleared (a
+        distributed engine sends them to the other ranks, which apply() them to their own tables)."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def apply(self, pending: list[int]) -> None:
+        """Write changes taken from a table with the same recorded history."""
+        if pending:
+            slot, column, page = torch.tensor(pending).view(-1, 3).t().to(self.rows.device)
             self.rows[slot, column] = page
-            self._pending.clear()
 
     def gather(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """The first `width` columns of the rows of `slots` [N]: a contiguous page table [N, width]."""

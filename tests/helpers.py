@@ -28,6 +28,21 @@ def tiny_model(preset: str, dtype: torch.dtype = torch.float32, seed: int = 0, s
     return model.eval(), raw
 
 
+def assert_idle(scheduler) -> None:
+    """Nothing queued or running, and every page and state slot either free or held by the prefix cache alone,
+    with the cache's own accounting consistent (no locks left, its pages and slots exactly those not free)."""
+    assert not scheduler.running and not scheduler.waiting
+    state, kv, cache = scheduler.state_pool, scheduler.kv_pool, scheduler.prefix_cache
+    nodes, snapshots = (list(cache.nodes()), cache.snapshots) if cache is not None else ([], [])
+    assert state.num_free + len(snapshots) == state.num_slots
+    assert {s.slot for s in snapshots}.isdisjoint(state._free)
+    held = {n.page for n in nodes} | {s.tail_page for s in snapshots if s.tail_page is not None}
+    assert kv.num_used == 0 and len(held) == kv.num_pages - kv.num_free == kv.num_cached_only
+    assert all(n.locks == 0 for n in nodes) and all(s.locks == 0 for s in snapshots)
+    if cache is not None:
+        assert cache.num_pages == len(nodes)
+
+
 @torch.inference_mode()
 def greedy_generate(model: KimiForCausalLM, prompts: list[list[int]], max_new_tokens: int,
                     page_size: int = 16, stop_token_id: int | None = None) -> list[list[int]]:

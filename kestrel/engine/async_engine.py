@@ -28,10 +28,14 @@ class EngineStats:
     running: int                # sequences holding a state slot
     waiting: int                # sequences queued or preempted
     running_requests: int       # requests with at least one running sequence
-    kv_pages_used: int
+    kv_pages_used: int          # held by sequences (not counting pages only the prefix cache holds)
     kv_pages_total: int
-    state_slots_used: int
+    state_slots_used: int       # held by sequences (not counting prefix-cache snapshots)
     state_slots_total: int
+    cache_prompt_tokens: int = 0     # prefix cache: prompt tokens looked up since start
+    cache_hit_tokens: int = 0        # of those, served from the cache
+    cache_pages: int = 0             # pages in the tree
+    cache_snapshots: int = 0         # KDA state snapshots held
 
 
 class RequestFailed(RuntimeError):
@@ -73,11 +77,16 @@ class AsyncEngine:
 
     def _snapshot(self) -> EngineStats:
         scheduler = self.engine.scheduler
-        kv, state = scheduler.kv_pool, scheduler.state_pool
+        kv, state, cache = scheduler.kv_pool, scheduler.state_pool, scheduler.prefix_cache
+        snapshots = cache.num_snapshots if cache is not None else 0
+        cached = {} if cache is None else dict(
+            cache_prompt_tokens=cache.stats.prompt_tokens, cache_hit_tokens=cache.stats.cached_tokens,
+            cache_pages=cache.num_pages, cache_snapshots=snapshots)
         return EngineStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
                            running_requests=self.engine.num_running_requests(),
-                           kv_pages_used=kv.num_pages - kv.num_free, kv_pages_total=kv.num_pages,
-                           state_slots_used=state.num_slots - state.num_free, state_slots_total=state.num_slots)
+                           kv_pages_used=kv.num_used, kv_pages_total=kv.num_pages,
+                           state_slots_used=state.num_slots - state.num_free - snapshots,
+                           state_slots_total=state.num_slots, **cached)
 
     @property
     def num_requests(self) -> int:

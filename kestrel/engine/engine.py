@@ -20,6 +20,7 @@ from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlanError, device_memory, plan_memory
+from .cache.radix import PrefixCache
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .model_runner import ModelRunner
@@ -78,8 +79,11 @@ class LLMEngine:
         # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
         page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
         ops = DeviceOps()
-        self.scheduler = Scheduler(StatePool(slots, ops), KVPool(pages, self.plan.page_size, ops), page_table,
-                                   self.plan.max_running_requests, args.chunked_prefill_size, args.max_prefill_tokens)
+        state_pool, kv_pool = StatePool(slots, ops), KVPool(pages, self.plan.page_size, ops)
+        prefix_cache = None if args.disable_radix_cache else PrefixCache(state_pool, kv_pool)
+        self.scheduler = Scheduler(state_pool, kv_pool, page_table, self.plan.max_running_requests,
+                                   args.chunked_prefill_size, args.max_prefill_tokens, prefix_cache,
+                                   args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval)
         decode_graphs = None
         if graphs:
             max_batch = min(args.cuda_graph_max_bs, self.plan.max_running_requests)
@@ -214,6 +218,7 @@ class LLMEngine:
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
             chunk.seq.num_computed += chunk.length
+            self.scheduler.record_progress(chunk.seq)
             if i in all_rows:
                 self._record_prompt_logprobs(chunk, chunk_logits)
             if chunk.samples:

@@ -43,3 +43,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0                # prompt tokens served from the prefix cache

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cache.radix import Node
 from .outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
 from .structured import CompiledGrammar, GrammarMatcher
@@ -32,6 +33,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     grammar: CompiledGrammar | None = None      # params.structured_outputs, once compiled
+    num_cached_tokens: int | None = None        # prompt tokens served from the prefix cache, once admitted
 
     @property
     def finished(self) -> bool:
@@ -44,7 +46,7 @@ class Request:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
             prompt_logprobs=self.prompt_logprobs, outputs=[s.output() for s in self.sequences],
-            finished=self.finished)
+            finished=self.finished, num_cached_tokens=self.num_cached_tokens or 0)
 
 
 @dataclass(eq=False)
@@ -67,6 +69,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     matcher: GrammarMatcher | None = None                      # where the output stands in request.grammar
+    cache_node: Node | None = None        # prefix cache: the node of its last page in the tree (it holds a lock)
+    cached_pages: int = 0                 # its first cached_pages pages are in the tree
+    last_snapshot: int = 0                # tokens computed at its last state snapshot
 
     @property
     def num_tokens(self) -> int:

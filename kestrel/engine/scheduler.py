@@ -8,6 +8,13 @@ preempt. When a running sequence needs a page and none is free, the lowest-prior
 preempted: its slot and pages are freed and it waits to be recomputed (prompt and output so far), which under
 greedy decoding continues exactly where it stopped. The highest-priority sequence can always proceed, since one
 sequence of up to the context length fits the KV pool, so nothing deadlocks.
+
+With a prefix cache (radix.py), a sequence starts after the longest cached prefix of its tokens that ends at a
+state snapshot, and its pages go into the tree as they fill. Its state is saved before the prompt's last token (the
+prefill stops one token short to do so, so that a repeated prompt computes one token) and when it finishes
+("no_buffer"); with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
+page boundary track_interval decode tokens after the last snapshot. What only the cache holds is evicted (least
+recently used) before a request is refused or preempted.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass
 
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
+from .cache.radix import Hit, PrefixCache
 from .cache.state_pool import StatePool
 from .request import Sequence, Status
 
@@ -38,10 +46,14 @@ class Scheduler:
     page table's row of the sequence's state slot."""
 
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, page_table: PageTable, max_running: int,
-                 chunked_prefill_size: int, max_prefill_tokens: int):
+                 chunked_prefill_size: int, max_prefill_tokens: int, prefix_cache: PrefixCache | None = None,
+                 extra_buffer: bool = False, track_interval: int = 256):
         self.state_pool = state_pool
         self.kv_pool = kv_pool
         self.page_table = page_table
+        self.prefix_cache = prefix_cache
+        self.extra_buffer = extra_buffer
+        self.track_interval = track_interval
         self.max_running = max_running
         self.chunk_size = chunked_prefill_size
         self.token_budget = max_prefill_tokens
@@ -57,7 +69,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Drop seq from the queues and give back everything it holds."""
+        """Drop seq from the queues and give back everything it holds (a completed sequence's state is cached
+        first)."""
+        if seq.finish_reason in ("stop", "length") and seq.cache_node is not None:
+            self._snapshot(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -84,9 +99,34 @@ class Scheduler:
             length = self._admit(self.waiting[0], budget)
             if not length:
                 break
-            chunks.append(ScheduledChunk(self.waiting.pop(0), 0, length))
+            seq = self.waiting.pop(0)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
         return chunks
+
+    def record_progress(self, seq: Sequence) -> None:
+        """After a step computed seq's tokens up to num_computed: its newly full pages go into the prefix cache,
+        and its state too where the strategy takes a snapshot."""
+        if seq.cache_node is None:
+            return
+        full, page_size = seq.num_computed // self.kv_pool.page_size, self.kv_pool.page_size
+        if full > seq.cached_pages:
+            node = self.prefix_cache.insert(seq.cache_node, seq.tokens(seq.cached_pages * page_size, full * page_size),
+                                            seq.pages[seq.cached_pages:full])
+            seq.cache_node.locks -= 1
+            node.locks += 1
+            seq.cache_node, seq.cached_pages = node, full
+        computed, prompt = seq.num_computed, len(seq.request.prompt_ids)
+        aligned = self.extra_buffer and computed % page_size == 0
+        if computed == prompt - 1 or (aligned and (computed < prompt or computed - seq.last_snapshot
+                                               >= self.track_interval)):
+            self._snapshot(seq)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        start = seq.cached_pages * self.kv_pool.page_size
+        tail_page = seq.pages[seq.cached_pages] if seq.num_computed > start else None
+        self.prefix_cache.snapshot(seq.cache_node, seq.tokens(start, seq.num_computed), tail_page, seq.slot)
+        seq.last_snapshot = seq.num_computed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start child from parent's state after the prompt: copied state slot, shared full pages, a copied
@@ -95,6 +135,8 @@ class Scheduler:
         prompt_len = len(parent.request.prompt_ids)
         full = prompt_len // self.kv_pool.page_size
         partial = len(parent.pages) > full
+        if partial and self.kv_pool.num_free == 0 and self.prefix_cache is not None:
+            self.prefix_cache.reclaim_pages(1)
         if partial and self.kv_pool.num_free == 0:
             self.state_pool.free(child.slot)
             child.slot = None
@@ -109,30 +151,88 @@ class Scheduler:
             child.pages.append(page)
         self.page_table.set(child.slot, 0, child.pages)
         child.num_computed = parent.num_computed
+        child.cache_node, child.cached_pages, child.last_snapshot = parent.cache_node, parent.cached_pages, \
+            parent.last_snapshot
+        if child.cache_node is not None:
+            child.cache_node.locks += 1
         child.status = Status.RUNNING
         self.running.append(child)
 
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed
-        return min(remaining, budget, self.chunk_size)
+        """With a prefix cache, a prompt's prefill stops one token short of its end, where its state is saved (a
+        later request with the same prompt resumes there and computes only the last token)."""
+        end = seq.num_tokens
+        if self.prefix_cache is not None and seq.num_computed < len(seq.request.prompt_ids) - 1:
+            end = len(seq.request.prompt_ids) - 1
+        return min(end - seq.num_computed, budget, self.chunk_size)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow; returns the
-        chunk's length, 0 if not admitted. With others running, one page per running sequence stays free;
-        alone, the first chunk shrinks to the free pages."""
+        """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow (evicting what
+        only the prefix cache holds if need be), starting after its longest cached prefix; returns the chunk's
+        length, 0 if not admitted. With others running, one page per running sequence stays free; alone, the first
+        chunk shrinks to the free pages."""
         slots = 1 + seq.forks_pending
-        if len(self.running) + slots > self.max_running or self.state_pool.num_free < slots:
+        if len(self.running) + slots > self.max_running:
             return 0
-        headroom = len(self.running) + 1 if self.running else 0
-        usable = self.kv_pool.num_free - headroom - seq.forks_pending     # a partial page per fork, later
-        length = min(self._chunk_length(seq, budget), usable * self.kv_pool.page_size)
+        hit = self._lookup(seq)
+        try:
+            return self._admit_from(seq, hit, slots, budget)
+        finally:
+            if hit is not None:
+                hit.snapshot.locks -= 1
+                hit.node.locks -= seq.cache_node is not hit.node
+
+    def _lookup(self, seq: Sequence) -> Hit | None:
+        """The cached prefix seq resumes from (locked until admission ends), or None. A request that wants prompt
+        logprobs computes its whole prompt."""
+        cache = self.prefix_cache
+        if cache is None or seq.request.prompt_logprobs is not None:
+            return None
+        hit = cache.match(seq.tokens(0, seq.num_tokens), seq.num_tokens - 1)
+        if seq.request.num_cached_tokens is None:
+            cache.stats.prompt_tokens += len(seq.request.prompt_ids)
+        if hit is not None:
+            hit.snapshot.locks += 1
+            hit.node.locks += 1
+        return hit
+
+    def _admit_from(self, seq: Sequence, hit: Hit | None, slots: int, budget: int) -> int:
+        cache, start = self.prefix_cache, hit.length if hit is not None else 0
+        if self.state_pool.num_free < slots and cache is not None:
+            cache.reclaim_slots(slots - self.state_pool.num_free)
+        if self.state_pool.num_free < slots:
+            return 0
+        shared = hit.pages if hit is not None else []
+        headroom = (len(self.running) + 1 if self.running else 0) + seq.forks_pending   # a partial page per fork
+        seq.num_computed = start
+        wanted = self._chunk_length(seq, budget)
+        missing = self.kv_pool.pages_for(start + wanted) - len(shared) + headroom - self.kv_pool.num_free
+        if missing > 0 and cache is not None:
+            cache.reclaim_pages(missing)
+        usable = self.kv_pool.num_free - headroom
+        length = min(wanted, (len(shared) + usable) * self.kv_pool.page_size - start)
         if length <= 0:
             return 0
         seq.slot = self.state_pool.allocate()
         seq.reserved_slots = [self.state_pool.allocate() for _ in range(slots - 1)]
-        seq.pages = self.kv_pool.allocate(self.kv_pool.pages_for(length))
+        self.kv_pool.share(shared)
+        seq.pages = shared + self.kv_pool.allocate(self.kv_pool.pages_for(start + length) - len(shared))
+        if hit is not None:
+            cache.stats.hits += 1
+            self.state_pool.copy(hit.snapshot.slot, seq.slot)
+            if hit.snapshot.tail_page is not None:
+                self.kv_pool.ops.copy_pages([hit.snapshot.tail_page], [seq.pages[len(shared)]])
+        if cache is not None:
+            seq.cache_node = hit.node if hit is not None else cache.root
+            seq.cache_node.locks += hit is None
+            seq.cached_pages = len(shared)
+            seq.last_snapshot = start
+            if seq.request.num_cached_tokens is None:
+                cache.stats.cached_tokens += start
+        if seq.request.num_cached_tokens is None:
+            seq.request.num_cached_tokens = start
         self.page_table.set(seq.slot, 0, seq.pages)
-        seq.num_computed = 0
+        seq.num_computed = start
         seq.status = Status.RUNNING
         self.running.append(seq)
         return length
@@ -141,6 +241,8 @@ class Scheduler:
         """Make seq's pages cover `length` more tokens, preempting lower-priority sequences if needed.
         False when seq itself had to be preempted."""
         needed = self.kv_pool.pages_for(seq.num_computed + length) - len(seq.pages)
+        if self.kv_pool.num_free < needed and self.prefix_cache is not None:
+            self.prefix_cache.reclaim_pages(needed - self.kv_pool.num_free)
         while self.kv_pool.num_free < needed:
             victim = max((s for s in self.running if s not in protected), key=lambda s: s.priority_key)
             self._preempt(victim)
@@ -161,4 +263,7 @@ class Scheduler:
         for slot in ([seq.slot] if seq.slot is not None else []) + seq.reserved_slots:
             self.state_pool.free(slot)
         self.kv_pool.free(seq.pages)
+        if seq.cache_node is not None:
+            seq.cache_node.locks -= 1
         seq.slot, seq.pages, seq.reserved_slots, seq.num_computed = None, [], [], 0
+        seq.cache_node, seq.cached_pages = None, 0

@@ -367,10 +367,11 @@ def _finish(reason: str | None, generated: bool) -> str | None:
     return reason if generated or reason is None else "length"
 
 
-def _usage(outputs, generated: bool) -> dict[str, int]:
+def _usage(outputs, generated: bool) -> dict:
     outputs = list(outputs)
     return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(completion_tokens(o) for o in outputs) if generated else 0)
+                 sum(completion_tokens(o) for o in outputs) if generated else 0,
+                 sum(o.num_cached_tokens for o in outputs))
 
 
 async def _collect(state: ServerState, streams: list[AsyncIterator[RequestOutput]], request: Request,

@@ -34,6 +34,15 @@ class Metrics:
                                              lambda s: s.kv_pages_used / s.kv_pages_total),
             "kestrel_state_pool_usage_ratio": ("Share of KDA state slots in use",
                                                lambda s: s.state_slots_used / s.state_slots_total),
+            "kestrel_prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache since start",
+                                                    lambda s: s.cache_prompt_tokens),
+            "kestrel_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache since start",
+                                                lambda s: s.cache_hit_tokens),
+            "kestrel_prefix_cache_hit_rate": ("Share of looked-up prompt tokens served from the prefix cache",
+                                              lambda s: s.cache_hit_tokens / max(s.cache_prompt_tokens, 1)),
+            "kestrel_prefix_cache_pages": ("KV pages held by the prefix cache", lambda s: s.cache_pages),
+            "kestrel_prefix_cache_snapshots": ("KDA state snapshots held by the prefix cache",
+                                               lambda s: s.cache_snapshots),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine.stats()))

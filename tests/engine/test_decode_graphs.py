@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import tiny_model
+from helpers import assert_idle, tiny_model
 from kestrel import LLM, SamplingParams
 from kestrel.engine import engine as engine_module
 from kestrel.engine.args import EngineArgs
@@ -227,7 +227,7 @@ def test_engine_tokens_are_the_same_with_graph_replays(model_dir, monkeypatch):
     pools = llm.engine.scheduler
     assert graphs.scratch_slot == pools.state_pool.num_slots
     assert (pools.page_table.rows[graphs.scratch_slot] == pools.kv_pool.num_pages).all()
-    assert pools.state_pool.num_free == pools.state_pool.num_slots and pools.kv_pool.num_free == pools.kv_pool.num_pages
+    assert_idle(pools)
 
 
 def test_cuda_graph_flags():

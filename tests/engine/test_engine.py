@@ -11,7 +11,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.engine.tokenizer import Tokenizer
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.moe import RoutedExperts
-from helpers import greedy_generate
+from helpers import assert_idle, greedy_generate
 
 VOCAB = 320
 
@@ -35,10 +35,8 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def assert_pools_free(llm: LLM) -> None:
-    scheduler = llm.engine.scheduler
-    assert scheduler.state_pool.num_free == scheduler.state_pool.num_slots
-    assert scheduler.kv_pool.num_free == scheduler.kv_pool.num_pages
-    assert not scheduler.running and not scheduler.waiting and not llm.engine.requests
+    assert_idle(llm.engine.scheduler)
+    assert not llm.engine.requests
 
 
 def test_batch_of_16_mixed_requests_equals_each_alone_and_the_plain_computation(model_dir):
@@ -195,7 +193,7 @@ def test_n_continuations_share_the_prompt_and_match_separate_requests(model_dir)
     engine.add_request("fork", prompt["prompt_token_ids"], sampled)
     engine.step()
     pool = engine.scheduler.kv_pool
-    assert pool.num_pages - pool.num_free == 2 + 3       # 2 shared full pages + a copied partial page each
+    assert pool.num_used == 2 + 3       # 2 shared full pages + a copied partial page each
     assert engine.abort_request("fork").finished
     engine.add_request("queued", prompt["prompt_token_ids"], sampled)
     aborted = engine.abort_request("queued")                # before its prompt ran: no forks yet

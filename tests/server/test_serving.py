@@ -175,3 +175,18 @@ def test_cookbook_page_is_served(server):
         data = http.get("/cookbook/data.js")
         assert data.status_code == 200 and data.text.startswith("window.COOKBOOK")
         assert http.get("/cookbook/nope.js").status_code == 404
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(server):
+    body = {"prompt": "all the world's a stage, and all the men and women merely players " * 3, "max_tokens": 3}
+    with server.client() as http:
+        before = gauge(http, "kestrel_prefix_cache_hit_tokens")
+        first, second = (http.post("/v1/completions", json=body).json()["usage"] for _ in range(2))
+        assert second["prompt_tokens"] == first["prompt_tokens"] > 20
+        assert second["prompt_tokens_details"] == {"cached_tokens": second["prompt_tokens"] - 1}
+        assert gauge(http, "kestrel_prefix_cache_hit_tokens") - before == \
+            first["prompt_tokens_details"]["cached_tokens"] + second["prompt_tokens"] - 1
+        assert gauge(http, "kestrel_prefix_cache_snapshots") > 0
+        chat = {"messages": [{"role": "user", "content": body["prompt"]}], "max_tokens": 2}
+        turns = [http.post("/v1/chat/completions", json=chat).json()["usage"] for _ in range(2)]
+        assert turns[1]["prompt_tokens_details"]["cached_tokens"] == turns[1]["prompt_tokens"] - 1

@@ -9,6 +9,7 @@ import asyncio
 import resource
 
 from kestrel.bench.soak import soak
+from helpers import assert_idle
 from server_helpers import VOCAB, LiveServer
 from test_limits import wait_until
 
@@ -38,9 +39,7 @@ def test_a_thousand_mixed_requests_are_answered_and_leave_nothing_behind(model_f
         scheduler = engine.engine.scheduler
         wait_until(lambda: engine.num_requests == 0 and not engine.engine.requests, "requests were left behind")
         wait_until(lambda: live.num_tasks() <= tasks, "asyncio tasks were left behind")
-        assert not scheduler.running and not scheduler.waiting
-        assert scheduler.state_pool.num_free == scheduler.state_pool.num_slots
-        assert scheduler.kv_pool.num_free == scheduler.kv_pool.num_pages
+        assert_idle(scheduler)
         assert rss_mib() - rss < RSS_GROWTH_BOUND_MIB
         with live.client() as http:
             assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200

@@ -1,4 +1,5 @@
-"""Paged MLA KV: pages of page_size tokens, reference-counted so that forked sequences share their prompt."""
+"""Paged MLA KV: pages of page_size tokens, reference-counted so that forked sequences and the prefix cache share
+them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,21 @@ class KVPool:
         self.ops = ops
         self._free = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
+        self._cache_refs = [0] * num_pages       # of _refs, those the prefix cache holds
+        self.num_cached_only = 0                 # pages only the prefix cache holds (it can evict them)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages running sequences hold."""
+        return self.num_pages - self.num_free - self.num_cached_only
+
+    def cached_only(self, page: int) -> bool:
+        """Whether only the prefix cache holds page."""
+        return 0 < self._cache_refs[page] == self._refs[page]
 
     def pages_for(self, tokens: int) -> int:
         """Pages needed to hold `tokens` tokens."""
@@ -30,15 +42,21 @@ class KVPool:
             self._refs[page] = 1
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        """One more owner for each page."""
+    def share(self, pages: list[int], cache: bool = False) -> None:
+        """One more owner for each page (the prefix cache when `cache`)."""
         for page in pages:
+            before = self.cached_only(page)
             self._refs[page] += 1
+            self._cache_refs[page] += cache
+            self.num_cached_only += self.cached_only(page) - before
 
-    def free(self, pages: list[int]) -> None:
-        """Drop one owner of each page; a page with none left is free again."""
+    def free(self, pages: list[int], cache: bool = False) -> None:
+        """Drop one owner of each page (the prefix cache when `cache`); a page with none left is free again."""
         for page in pages:
+            before = self.cached_only(page)
             self._refs[page] -= 1
+            self._cache_refs[page] -= cache
+            self.num_cached_only += self.cached_only(page) - before
             if self._refs[page] == 0:
                 self._free.append(page)
 

@@ -1,0 +1,223 @@
+"""The prefix cache: a tree of token pages (each node one full KV page) and snapshots of the KDA state.
+
+Attention can resume anywhere its pages are cached, but the recurrent KDA layers can only resume where their state
+was saved. So a hit is the longest cached prefix that ends at a snapshot: a node (its depth in pages, P tokens
+each) plus a tail of fewer than P tokens; the snapshot holds every KDA layer's recurrent and conv state after
+depth * P + len(tail) tokens, in a state slot of its own, and (when the tail is not empty) a reference to the page
+that holds the tail's KV rows.
+
+Who owns what (the tree never schedules; the scheduler asks it):
+- A node's page carries one KV-pool reference for the tree; sequences reading it hold their own references. A
+  node is evicted only as a leaf that no running sequence stands on (`locks`) and whose page only the tree holds.
+- A snapshot owns its state slot outright; nothing writes to it after the copy that fills it, and a hit copies it
+  into the sequence's own slot (copy on hit). A snapshot's tail page is shared: the rows before the tail's end
+  never change (a page's rows are written once, in position order), and a hit copies the page before writing on.
+- Every copy goes through the DeviceOps journal, so a snapshot is filled from the sequence's slot before the next
+  step advances it, and a hit's copy reads the snapshot before anything can reuse its slot.
+
+Eviction is least recently used, in two lists: leaves (a page each, taking their snapshots with them) and
+snapshots (a slot each). Evicting only a snapshot keeps its pages: the node then no longer ends a full hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from .kv_pool import KVPool
+from .state_pool import StatePool
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """The KDA state after node.depth * P + len(tail) tokens, in `slot`; tail_page holds the tail's KV rows."""
+
+    node: Node
+    tail: tuple[int, ...]
+    slot: int
+    tail_page: int | None
+    last_use: int
+    locks: int = 0                     # admissions resuming from it, until their copy is journaled
+
+    @property
+    def length(self) -> int:
+        return self.node.depth * self.node.page_size + len(self.tail)
+
+
+@dataclass(eq=False)
+class Node:
+    """One full page of tokens (`key`) under its parent; the root (depth 0) holds none."""
+
+    key: tuple[int, ...]
+    page: int | None
+    parent: Node | None
+    depth: int
+    page_size: int
+    last_use: int = 0
+    locks: int = 0                     # running sequences whose cached prefix ends here
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    snapshots: dict[tuple[int, ...], Snapshot] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A cached prefix of `length` tokens: the pages of its full pages, and the snapshot it resumes from."""
+
+    length: int
+    pages: list[int]
+    node: Node
+    snapshot: Snapshot
+
+
+@dataclass
+class CacheStats:
+    prompt_tokens: int = 0             # tokens of the prompts looked up
+    cached_tokens: int = 0             # of those, tokens served from the cache
+    hits: int = 0                      # admissions that resumed from the cache (a preempted sequence's too)
+    snapshots_taken: int = 0
+    pages_evicted: int = 0
+    snapshots_evicted: int = 0
+
+
+class PrefixCache:
+    """The tree over one KV pool and state pool (module docstring)."""
+
+    def __init__(self, state_pool: StatePool, kv_pool: KVPool):
+        self.state_pool, self.kv_pool = state_pool, kv_pool
+        self.page_size = kv_pool.page_size
+        self.root = Node((), None, None, 0, self.page_size)
+        self.stats = CacheStats()
+        self._clock = itertools.count(1)
+        self._num_nodes = 0
+        self._snapshots: dict[int, Snapshot] = {}        # by slot
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the tree holds (one per node)."""
+        return self._num_nodes
+
+    @property
+    def snapshots(self) -> list[Snapshot]:
+        return list(self._snapshots.values())
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    def match(self, tokens: list[int], limit: int) -> Hit | None:
+        """The longest cached prefix of tokens ending at a snapshot, at most `limit` tokens long."""
+        now, path, node = next(self._clock), [], self.root
+        for start in range(0, limit - self.page_size + 1, self.page_size):
+            node = node.children.get(tuple(tokens[start:start + self.page_size]))
+            if node is None:
+                break
+            node.last_use = now
+            path.append(node)
+        for node in reversed([self.root, *path]):
+            start = node.depth * self.page_size
+            usable = [s for tail, s in node.snapshots.items()
+                      if start + len(tail) <= limit and tuple(tokens[start:start + len(tail)]) == tail]
+            if usable:
+                best = max(usable, key=lambda s: len(s.tail))
+                best.last_use = now
+                return Hit(best.length, [n.page for n in path[:node.depth]], node, best)
+        return None
+
+    def insert(self, node: Node, tokens: list[int], pages: list[int]) -> Node:
+        """Record full pages (holding tokens, len(pages) * P of them) below node, where they follow; returns the
+        node of the last. Where a node for a page's tokens exists already (another sequence computed them too),
+        the tree keeps its own page."""
+        now = next(self._clock)
+        for i, page in enumerate(pages):
+            key = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, page, node, node.depth + 1, self.page_size)
+                node.children[key] = child
+                self.kv_pool.share([page], cache=True)
+                self._num_nodes += 1
+            child.last_use = now
+            node = child
+        return node
+
+    def snapshot(self, node: Node, tail: list[int], tail_page: int | None, slot: int) -> None:
+        """Save the state in `slot`, the state after node's pages and then `tail` (fewer than P tokens, whose KV
+        rows tail_page holds). Skipped when no state slot is free or can be freed by evicting a colder snapshot."""
+        if len(tail) >= self.page_size or (tail_page is None) != (not tail):
+            raise ValueError(f"a snapshot's tail must be shorter than a page and have its page; got {len(tail)} "
+                             f"tokens and page {tail_page}.")
+        key, now = tuple(tail), next(self._clock)
+        if key in node.snapshots:
+            node.snapshots[key].last_use = now
+            return
+        if self.state_pool.num_free == 0 and not self.reclaim_slots(1):
+            return
+        saved = self.state_pool.allocate()
+        self.state_pool.copy(slot, saved)
+        if tail_page is not None:
+            self.kv_pool.share([tail_page], cache=True)
+        node.snapshots[key] = self._snapshots[saved] = Snapshot(node, key, saved, tail_page, now)
+        self.stats.snapshots_taken += 1
+
+    def reclaim_slots(self, count: int) -> int:
+        """Evict up to `count` least recently used snapshots; returns how many slots that freed."""
+        victims = heapq.nsmallest(count, (s for s in self._snapshots.values() if not s.locks),
+                                  key=lambda s: s.last_use)
+        for snap in victims:
+            self._drop_snapshot(snap)
+        return len(victims)
+
+    def reclaim_pages(self, count: int) -> int:
+        """Free up to `count` KV pages by evicting, least recently used first, leaves no sequence stands on and
+        snapshots whose tail page only the tree holds; returns how many pages that freed."""
+        before = self.kv_pool.num_free
+        heap = [(s.last_use, id(s), s) for s in self._snapshots.values() if not s.locks and self._sole(s.tail_page)]
+        heap += [(n.last_use, id(n), n) for n in self.nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        while heap and self.kv_pool.num_free - before < count:
+            item = heapq.heappop(heap)[2]
+            if isinstance(item, Snapshot):
+                if self._snapshots.get(item.slot) is item and self._sole(item.tail_page):
+                    self._drop_snapshot(item)
+                continue
+            if item.parent is None or not self._evictable(item):
+                continue
+            for snap in list(item.snapshots.values()):      # an admission's snapshot sits on a locked node
+                self._drop_snapshot(snap)
+            del item.parent.children[item.key]
+            self.kv_pool.free([item.page], cache=True)
+            self._num_nodes -= 1
+            self.stats.pages_evicted += 1
+            item.parent, parent = None, item.parent
+            if parent.parent is not None and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+        return self.kv_pool.num_free - before
+
+    def reset(self) -> None:
+        """Drop everything the tree holds (nothing may be running)."""
+        for snap in list(self._snapshots.values()):
+            self._drop_snapshot(snap)
+        self.reclaim_pages(self._num_nodes)
+
+    def nodes(self):
+        """Every node but the root."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def _evictable(self, node: Node) -> bool:
+        return not node.children and node.locks == 0 and self._sole(node.page)
+
+    def _sole(self, page: int | None) -> bool:
+        return page is not None and self.kv_pool.cached_only(page)
+
+    def _drop_snapshot(self, snap: Snapshot) -> None:
+        del self._snapshots[snap.slot]
+        del snap.node.snapshots[snap.tail]
+        self.state_pool.free(snap.slot)
+        if snap.tail_page is not None:
+            self.kv_pool.free([snap.tail_page], cache=True)
+        self.stats.snapshots_evicted += 1

@@ -20,7 +20,7 @@ from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlanError, device_memory, plan_memory
-from .cache.radix import PrefixCache
+from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .model_runner import ModelRunner
@@ -80,7 +80,7 @@ class LLMEngine:
         page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
         ops = DeviceOps()
         state_pool, kv_pool = StatePool(slots, ops), KVPool(pages, self.plan.page_size, ops)
-        prefix_cache = None if args.disable_radix_cache else PrefixCache(state_pool, kv_pool)
+        prefix_cache = build_prefix_cache(args, state_pool, kv_pool, self.cache, self.plan)
         self.scheduler = Scheduler(state_pool, kv_pool, page_table, self.plan.max_running_requests,
                                    args.chunked_prefill_size, args.max_prefill_tokens, prefix_cache,
                                    args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval)

@@ -211,3 +211,50 @@ def test_sessions_under_pressure_end_correct_and_accounted(model_dir, cold, seed
     stats = llm.engine.scheduler.prefix_cache.stats
     assert stats.cached_tokens > 0 and stats.pages_evicted > 0 and stats.snapshots_evicted > 0
     assert_idle(llm.engine.scheduler)
+
+
+TIGHT = {"max_total_tokens": 64, "max_mamba_cache_size": 4}
+
+
+def evict(llm: LLM, first: list[int]) -> None:
+    """Answer `first`, then three other prompts, which evict its pages and snapshots from the device."""
+    cached(llm, first)
+    for seed in (61, 62, 63):
+        cached(llm, prompt(seed, 20))
+
+
+def evict_then_repeat(llm: LLM, first: list[int]) -> tuple[list[int], int]:
+    evict(llm, first)
+    return cached(llm, first)
+
+
+def test_hicache_brings_evicted_pages_and_snapshots_back_from_host_memory(model_dir, cold):
+    ids = prompt(60, 22)
+    llm = warm_llm(model_dir, enable_hierarchical_cache=True, **TIGHT)
+    assert evict_then_repeat(llm, ids) == (cold(ids), 21)
+    stats = llm.engine.scheduler.prefix_cache.stats
+    assert stats.pages_evicted > 0 and stats.pages_loaded == 5 and stats.snapshots_loaded == 1
+    assert_idle(llm.engine.scheduler)
+    without = warm_llm(model_dir, **TIGHT)
+    assert evict_then_repeat(without, ids) == (cold(ids), 0)       # the device alone has forgotten it
+
+
+def test_hicache_file_tier_serves_hits_and_a_damaged_file_is_a_miss(model_dir, cold, tmp_path):
+    ids = prompt(64, 22)
+    options = dict(enable_hierarchical_cache=True, hicache_ratio=0.25, hicache_storage_backend="file",
+                   hicache_storage_dir=str(tmp_path), **TIGHT)
+    llm = warm_llm(model_dir, **options)
+    store = llm.engine.scheduler.prefix_cache.store
+    assert store.host.max_bytes < 2 * 41984                 # about one snapshot: the rest spills to disk
+    assert evict_then_repeat(llm, ids) == (cold(ids), 21)
+    assert store.storage_hits > 0
+    damaged = warm_llm(model_dir, **{**options, "hicache_storage_dir": str(tmp_path / "damaged")})
+    evict(damaged, ids)
+    files = sorted((tmp_path / "damaged").glob("*.hic"))
+    for path in files:                                       # a flipped byte in each, one file cut short
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data[:-7] if path == files[0] else data))
+    assert cached(damaged, ids)[0] == cold(ids)
+    assert damaged.engine.scheduler.prefix_cache.store.storage.corrupt > 0
+    assert_idle(damaged.engine.scheduler)

@@ -1,22 +1,30 @@
-"""Cache writes the engine makes between steps (a fork's copied state and partial page; later a prefix-cache hit's
-restored snapshot), journaled and applied in order at the start of the next step.
+"""Cache writes the engine makes between steps (a fork's copied state and partial page, a prefix-cache hit's restored
+snapshot, HiCache's spills and loads), journaled and applied in order at the start of the next step.
 
 Journaling keeps the pools free of tensor work (each step applies every pending copy as one indexed copy per
-layer) and gives a distributed engine one list to send: every rank applies the same journal to its own shard.
+layer), makes a read of a slot or page see every write journaled before it, and gives a distributed engine one
+list to send: every rank applies the same copies to its own shard (spills and loads are one process's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...layers.cache import HybridCache
+from .hicache import Entry, entry_to_pages, entry_to_slot, pages_to_entry, slot_to_entry
 
-Op = tuple[str, list[int], list[int]]
-"""(kind, src, dst): kind "slots" copies state slots src[i] -> dst[i]; "pages" copies KV pages."""
+Part = tuple[str, int]
+"""("slot", slot) or ("page", page): one piece of an entry; its tensors are named "{i}.{name}" for part i."""
+
+Op = tuple[str, list, list]
+"""(kind, a, b): "slots" copies state slots a[i] -> b[i]; "pages" copies KV pages a[i] -> b[i]; "save" reads the
+parts a into one entry and calls b[0] with it; "load" writes the entry b[0] into the parts a."""
 
 
 class DeviceOps:
-    """The journal: copy_slots and copy_pages record, take() hands over (and clears) what was recorded."""
+    """The journal: copy_slots, copy_pages, save and load record, take() hands over (and clears) what was recorded."""
 
     def __init__(self) -> None:
         self._ops: list[Op] = []
@@ -28,6 +36,14 @@ class DeviceOps:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Page dst[i] gets every MLA layer's latents (and indexer keys) of page src[i]."""
         self._record("pages", src, dst)
+
+    def save(self, parts: list[Part], put: Callable[[Entry], None]) -> None:
+        """Read parts into one entry of CPU tensors and hand it to put."""
+        self._ops.append(("save", list(parts), [put]))
+
+    def load(self, parts: list[Part], entry: Entry) -> None:
+        """Write an entry of save's layout into parts (checked against the cache beforehand: see entry_spec)."""
+        self._ops.append(("load", list(parts), [entry]))
 
     def take(self) -> list[Op]:
         ops, self._ops = self._ops, []
@@ -46,9 +62,33 @@ class DeviceOps:
             self._ops.append((kind, list(src), list(dst)))
 
 
+def entry_spec(cache: HybridCache, parts: list[Part]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Name -> (shape, dtype) of the entry that saving parts of cache gives (what a loaded entry must match)."""
+    return {name: (t.shape, t.dtype) for name, t in _read(cache, parts).items()}
+
+
+def _read(cache: HybridCache, parts: list[Part]) -> Entry:
+    readers = {"slot": slot_to_entry, "page": pages_to_entry}
+    return {f"{i}.{name}": t for i, (kind, index) in enumerate(parts)
+            for name, t in readers[kind](cache, index).items()}
+
+
+def _write(cache: HybridCache, parts: list[Part], entry: Entry) -> None:
+    writers = {"slot": entry_to_slot, "page": entry_to_pages}
+    for i, (kind, index) in enumerate(parts):
+        prefix = f"{i}."
+        writers[kind](cache, index, {name[len(prefix):]: t for name, t in entry.items() if name.startswith(prefix)})
+
+
 def apply_ops(cache: HybridCache, ops: list[Op]) -> None:
     """Run the journaled copies on cache, in order."""
     for kind, src, dst in ops:
+        if kind == "save":
+            dst[0](_read(cache, src))
+            continue
+        if kind == "load":
+            _write(cache, src, dst[0])
+            continue
         device = (cache.kda[0].recurrent if kind == "slots" and cache.kda else cache.mla[0].latent.values).device
         if kind == "slots":
             s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)

@@ -35,11 +35,13 @@ class KVPool:
         """Pages needed to hold `tokens` tokens."""
         return -(-tokens // self.page_size)
 
-    def allocate(self, count: int) -> list[int]:
-        """`count` pages; the caller checks num_free first."""
+    def allocate(self, count: int, cache: bool = False) -> list[int]:
+        """`count` pages, owned by the caller (the prefix cache when `cache`); the caller checks num_free first."""
         pages = [self._free.pop() for _ in range(count)]
         for page in pages:
             self._refs[page] = 1
+            self._cache_refs[page] = int(cache)
+        self.num_cached_only += count if cache else 0
         return pages
 
     def share(self, pages: list[int], cache: bool = False) -> None:

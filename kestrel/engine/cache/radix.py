@@ -17,16 +17,27 @@ Who owns what (the tree never schedules; the scheduler asks it):
 
 Eviction is least recently used, in two lists: leaves (a page each, taking their snapshots with them) and
 snapshots (a slot each). Evicting only a snapshot keeps its pages: the node then no longer ends a full hit.
+
+With HiCache (hicache.py), what is evicted is first saved to the store (host memory, then disk), keyed by a chain
+hash of the token pages up to it (seeded with the model's namespace); a lookup that finds pages and a snapshot
+there beyond what the device tree holds loads them back into fresh pages and a fresh slot before the hit. A store
+entry that is missing, damaged or of another layout is a miss.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+from array import array
 from dataclasses import dataclass, field
 
+from .hicache import Entry, HierarchicalStore
 from .kv_pool import KVPool
 from .state_pool import StatePool
+
+Spec = dict[str, tuple]
+"""An entry's layout: tensor name -> (shape, dtype)."""
 
 
 @dataclass(eq=False)
@@ -54,6 +65,7 @@ class Node:
     parent: Node | None
     depth: int
     page_size: int
+    hash: str = ""                     # chain hash of the tokens up to its end (HiCache's key for its page)
     last_use: int = 0
     locks: int = 0                     # running sequences whose cached prefix ends here
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
@@ -78,15 +90,22 @@ class CacheStats:
     snapshots_taken: int = 0
     pages_evicted: int = 0
     snapshots_evicted: int = 0
+    pages_loaded: int = 0              # HiCache: pages and snapshots brought back from the store
+    snapshots_loaded: int = 0
 
 
 class PrefixCache:
     """The tree over one KV pool and state pool (module docstring)."""
 
-    def __init__(self, state_pool: StatePool, kv_pool: KVPool):
+    def __init__(self, state_pool: StatePool, kv_pool: KVPool, store: HierarchicalStore | None = None,
+                 namespace: str = "", specs: dict[str, Spec] | None = None):
+        """store, namespace, specs: HiCache's tiers, a digest naming the model and cache layout, and the layouts of
+        a "page" entry, a "snapshot" entry and a "tail snapshot" entry (device_ops.entry_spec)."""
         self.state_pool, self.kv_pool = state_pool, kv_pool
         self.page_size = kv_pool.page_size
-        self.root = Node((), None, None, 0, self.page_size)
+        self.root = Node((), None, None, 0, self.page_size, hash=_digest(namespace, ()))
+        self.store, self.specs = store, specs or {}
+        self._stored_snapshots: dict[str, set[tuple[int, ...]]] = {}     # node hash -> tails saved in the store
         self.stats = CacheStats()
         self._clock = itertools.count(1)
         self._num_nodes = 0
@@ -105,8 +124,9 @@ class PrefixCache:
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
-    def match(self, tokens: list[int], limit: int) -> Hit | None:
-        """The longest cached prefix of tokens ending at a snapshot, at most `limit` tokens long."""
+    def match(self, tokens: list[int], limit: int, load: bool = True) -> Hit | None:
+        """The longest cached prefix of tokens ending at a snapshot, at most `limit` tokens long (brought back
+        from HiCache's store first when it holds a longer one than the device, unless not `load`)."""
         now, path, node = next(self._clock), [], self.root
         for start in range(0, limit - self.page_size + 1, self.page_size):
             node = node.children.get(tuple(tokens[start:start + self.page_size]))
@@ -114,6 +134,7 @@ class PrefixCache:
                 break
             node.last_use = now
             path.append(node)
+        hit = None
         for node in reversed([self.root, *path]):
             start = node.depth * self.page_size
             usable = [s for tail, s in node.snapshots.items()
@@ -121,8 +142,11 @@ class PrefixCache:
             if usable:
                 best = max(usable, key=lambda s: len(s.tail))
                 best.last_use = now
-                return Hit(best.length, [n.page for n in path[:node.depth]], node, best)
-        return None
+                hit = Hit(best.length, [n.page for n in path[:node.depth]], node, best)
+                break
+        if load and self.store is not None and self._load(path, tokens, limit, hit.length if hit else 0):
+            return self.match(tokens, limit, load=False)
+        return hit
 
     def insert(self, node: Node, tokens: list[int], pages: list[int]) -> Node:
         """Record full pages (holding tokens, len(pages) * P of them) below node, where they follow; returns the
@@ -133,7 +157,7 @@ class PrefixCache:
             key = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
             child = node.children.get(key)
             if child is None:
-                child = Node(key, page, node, node.depth + 1, self.page_size)
+                child = Node(key, page, node, node.depth + 1, self.page_size, hash=_digest(node.hash, key))
                 node.children[key] = child
                 self.kv_pool.share([page], cache=True)
                 self._num_nodes += 1
@@ -185,6 +209,7 @@ class PrefixCache:
                 continue
             for snap in list(item.snapshots.values()):      # an admission's snapshot sits on a locked node
                 self._drop_snapshot(snap)
+            self._spill([("page", item.page)], item.hash)
             del item.parent.children[item.key]
             self.kv_pool.free([item.page], cache=True)
             self._num_nodes -= 1
@@ -215,9 +240,98 @@ class PrefixCache:
         return page is not None and self.kv_pool.cached_only(page)
 
     def _drop_snapshot(self, snap: Snapshot) -> None:
+        parts = [("slot", snap.slot)] + ([("page", snap.tail_page)] if snap.tail else [])
+        self._spill(parts, _snapshot_key(snap.node.hash, snap.tail), (snap.node.hash, snap.tail))
         del self._snapshots[snap.slot]
         del snap.node.snapshots[snap.tail]
         self.state_pool.free(snap.slot)
         if snap.tail_page is not None:
             self.kv_pool.free([snap.tail_page], cache=True)
         self.stats.snapshots_evicted += 1
+
+    # HiCache: spilling what is evicted, and loading it back
+
+    def _spill(self, parts: list[tuple[str, int]], key: str, snapshot: tuple[str, tuple[int, ...]] | None = None):
+        """Save parts to the store under key (journaled, so it reads them before anything reuses them)."""
+        if self.store is None or key in self.store:
+            return
+
+        def put(entry: Entry) -> None:
+            self.store.put(key, entry)
+            if snapshot is not None:
+                self._stored_snapshots.setdefault(snapshot[0], set()).add(snapshot[1])
+        self.state_pool.ops.save(parts, put)
+
+    def _load(self, path: list[Node], tokens: list[int], limit: int, best: int) -> bool:
+        """Bring back from the store the longest prefix past `best` tokens that ends at a stored snapshot (its
+        pages beyond the device path, then the snapshot); whether it did."""
+        size, chain, keys = self.page_size, [self.root.hash] + [n.hash for n in path], []
+        for start in range(len(path) * size, limit - size + 1, size):
+            key = tuple(tokens[start:start + size])
+            digest = _digest(chain[-1], key)
+            if digest not in self.store:
+                break
+            chain.append(digest)
+            keys.append(key)
+        for depth in range(len(chain) - 1, -1, -1):
+            start = depth * size
+            if start + size - 1 <= best:
+                return False
+            for tail in sorted(self._stored_snapshots.get(chain[depth], ()), key=len, reverse=True):
+                if start + len(tail) <= best:
+                    break
+                if start + len(tail) <= limit and tuple(tokens[start:start + len(tail)]) == tail:
+                    base = ([self.root, *path])[min(depth, len(path))]
+                    return self._bring_back(base, chain[base.depth + 1:depth + 1], keys[:depth - base.depth], tail)
+        return False
+
+    def _bring_back(self, base: Node, hashes: list[str], keys: list[tuple[int, ...]], tail: tuple[int, ...]) -> bool:
+        """Load the stored pages `hashes` (holding the tokens `keys`) below base, then the snapshot with `tail` at
+        the last of them (at base without pages); whether the store and the pools allowed it."""
+        node_hash = hashes[-1] if hashes else base.hash
+        pages = [self._get(digest, "page") for digest in hashes]
+        snapshot = self._get(_snapshot_key(node_hash, tail), "tail snapshot" if tail else "snapshot")
+        if snapshot is None:
+            self._stored_snapshots.get(node_hash, set()).discard(tail)
+        if snapshot is None or any(p is None for p in pages):
+            return False
+        wanted = len(pages) + bool(tail)
+        base.locks += 1
+        if self.kv_pool.num_free < wanted:
+            self.reclaim_pages(wanted - self.kv_pool.num_free)
+        if self.state_pool.num_free == 0:
+            self.reclaim_slots(1)
+        base.locks -= 1
+        if self.kv_pool.num_free < wanted or self.state_pool.num_free == 0:
+            return False
+        ops, node, now = self.state_pool.ops, base, next(self._clock)
+        for digest, key, entry in zip(hashes, keys, pages):
+            page = self.kv_pool.allocate(1, cache=True)[0]
+            ops.load([("page", page)], entry)
+            child = Node(key, page, node, node.depth + 1, self.page_size, digest, now)
+            node.children[key] = child
+            node = child
+            self._num_nodes += 1
+        slot = self.state_pool.allocate()
+        tail_page = self.kv_pool.allocate(1, cache=True)[0] if tail else None
+        ops.load([("slot", slot)] + ([("page", tail_page)] if tail else []), snapshot)
+        node.snapshots[tail] = self._snapshots[slot] = Snapshot(node, tail, slot, tail_page, now)
+        self.stats.pages_loaded += len(pages)
+        self.stats.snapshots_loaded += 1
+        return True
+
+    def _get(self, key: str, kind: str) -> Entry | None:
+        """The store's entry under key if it has the layout of a `kind` entry; a mismatch is discarded."""
+        entry = self.store.get(key)
+        if entry is not None and {name: (t.shape, t.dtype) for name, t in entry.items()} != self.specs[kind]:
+            self.store.discard(key)
+            return None
+        return entry
+
+
+def _digest(parent: str, tokens: tuple[int, ...], salt: bytes = b"") -> str:
+    return hashlib.blake2b(parent.encode() + salt + array("q", tokens).tobytes(), digest_size=16).hexdigest()
+
+
+def _snapshot_key(node_hash: str, tail: tuple[int, ...]) -> str:
+    return _digest(node_hash, tail, b"snapshot")

@@ -4,6 +4,7 @@ HiCache's host-memory tier (--enable-hierarchical-cache) and optional file tier 
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 from ...layers.cache import HybridCache
@@ -21,6 +22,8 @@ STORAGE_PER_HOST = 8
 SAMPLE_BYTES = 1 << 20
 """Bytes read from each end of each weight file for the model's namespace."""
 
+log = logging.getLogger("kestrel")
+
 
 def build_prefix_cache(args: EngineArgs, state_pool: StatePool, kv_pool: KVPool, cache: HybridCache,
                        plan: MemoryPlan) -> PrefixCache | None:
@@ -28,6 +31,8 @@ def build_prefix_cache(args: EngineArgs, state_pool: StatePool, kv_pool: KVPool,
         if args.enable_hierarchical_cache:
             raise ValueError("--enable-hierarchical-cache needs the prefix cache; drop --disable-radix-cache.")
         return None
+    log.info("prefix cache: %s; its snapshots take free state slots (%s B each) and its pages free KV pages, and "
+             "both are evicted before a request waits", args.mamba_scheduler_strategy, f"{plan.state_bytes_per_slot:,}")
     if not args.enable_hierarchical_cache:
         return PrefixCache(state_pool, kv_pool)
     if args.tp_size * args.pp_size * args.dp_size > 1:
@@ -39,6 +44,9 @@ def build_prefix_cache(args: EngineArgs, state_pool: StatePool, kv_pool: KVPool,
         storage = FileBackend(args.hicache_storage_dir, STORAGE_PER_HOST * host_bytes)
     specs = {"page": entry_spec(cache, [("page", 0)]), "snapshot": entry_spec(cache, [("slot", 0)]),
              "tail snapshot": entry_spec(cache, [("slot", 0), ("page", 0)])}
+    log.info("HiCache: host tier %.3f GiB%s", host_bytes / 2**30,
+             f", file tier {STORAGE_PER_HOST * host_bytes / 2**30:.3f} GiB in {args.hicache_storage_dir}"
+             if storage is not None else "")
     return PrefixCache(state_pool, kv_pool, HierarchicalStore(HostTier(host_bytes), storage),
                        model_namespace(Path(args.model)), specs)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from kestrel.engine.structured import StructuredOutputsParams
 from helpers import assert_idle
 
 VOCAB = 320
@@ -258,3 +259,24 @@ def test_hicache_file_tier_serves_hits_and_a_damaged_file_is_a_miss(model_dir, c
     assert cached(damaged, ids)[0] == cold(ids)
     assert damaged.engine.scheduler.prefix_cache.store.storage.corrupt > 0
     assert_idle(damaged.engine.scheduler)
+
+
+def test_an_abort_mid_prefill_leaves_a_usable_cache(model_dir, cold):
+    ids = prompt(70, 30)
+    llm = warm_llm(model_dir, mamba_scheduler_strategy="extra_buffer", chunked_prefill_size=8)
+    engine = llm.engine
+    engine.add_request("cut", ids, greedy())
+    engine.step()
+    engine.step()                                   # two chunks (16 tokens) computed, snapshots after each
+    engine.abort_request("cut")
+    assert_idle(engine.scheduler)
+    assert cached(llm, ids) == (cold(ids), 16)
+
+
+def test_json_mode_on_a_cached_prompt(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(json_object=True))
+    ids = prompt(71, 20)
+    cold_answer = LLM(str(model_dir), page_size=PAGE, disable_radix_cache=True).generate(
+        {"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    llm = warm_llm(model_dir)
+    assert [cached(llm, ids, params) for _ in range(2)] == [(cold_answer, 0), (cold_answer, 19)]

@@ -11,10 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from .engine import LLMEngine
+from .handoff import Handoff
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -94,15 +95,26 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, timeout: float | None = None,
+                       handoff: Callable[[Handoff], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes. A ValueError (bad request),
         RequestFailed, or RequestTimedOut (`timeout` seconds after submission) is raised here; leaving the
-        iteration early aborts the request."""
+        iteration early aborts the request. handoff: as LLMEngine.add_request's (called on the engine thread)."""
+        async for output in self._run(request_id, ("add", request_id, prompt, params, priority, handoff), timeout):
+            yield output
+
+    async def generate_prefilled(self, request_id: str, handoff: Handoff, params: SamplingParams,
+                                 priority: int = 0, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """As generate, for a request continued from a prefill instance's handoff (LLMEngine.add_prefilled_request)."""
+        async for output in self._run(request_id, ("add_prefilled", request_id, handoff, params, priority), timeout):
+            yield output
+
+    async def _run(self, request_id: str, command: tuple, timeout: float | None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        self._commands.put(("add", request_id, prompt, params, priority))
+        self._commands.put(command)
         finished = False
         try:
             while True:
@@ -156,12 +168,12 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         kind, *rest = command
-        if kind == "add":
-            request_id, prompt, params, priority = rest
+        if kind in ("add", "add_prefilled"):
+            add = self.engine.add_request if kind == "add" else self.engine.add_prefilled_request
             try:
-                self.engine.add_request(request_id, prompt, params, priority)
+                add(*rest)
             except ValueError as e:
-                self._deliver(request_id, e)
+                self._deliver(rest[0], e)
         elif kind == "abort":
             self.engine.abort_request(rest[0])
         elif kind == "abort_all":

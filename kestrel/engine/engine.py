@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from ..layers.cache import HybridCache
 from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.checkpoint import load_model
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
-from .cache.device_ops import DeviceOps
+from .cache.device_ops import DeviceOps, apply_ops
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlanError, device_memory, plan_memory
 from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
+from .handoff import Handoff, handoff_parts, handoff_spec
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .request import Request, Sequence, Status
@@ -95,6 +97,7 @@ class LLMEngine:
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
         self._compiling: dict[str, Future] = {}     # request id -> its grammar, compiling
+        self._finished_on_arrival: list[Request] = []    # prefilled requests whose first token ended them
         torch.manual_seed(args.random_seed)
 
     def _use_mxfp8_activations(self) -> None:
@@ -124,11 +127,16 @@ class LLMEngine:
         return self.plan.context_length
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
-        """Queue a request; a ValueError (one sentence) if it can never run, before it takes any memory."""
+                    priority: int = 0, handoff: Callable[[Handoff], None] | None = None) -> None:
+        """Queue a request; a ValueError (one sentence) if it can never run, before it takes any memory.
+
+        handoff (PD prefill side): the request stops at its first token, and handoff gets the state its caches hold
+        then (on the engine thread, before its memory is freed)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
+        if handoff is not None:
+            self._check_handoff(params)
         if params.structured_outputs is not None and self.grammars is None:
             raise ValueError(f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model) with "
                              f"an end-of-sequence token, which {self.args.model} lacks.")
@@ -143,6 +151,7 @@ class LLMEngine:
                              f"context length of {self.context_length} tokens.")
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                           next(self._arrivals), priority)
+        request.handoff = handoff
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request
@@ -151,6 +160,45 @@ class LLMEngine:
             self.scheduler.add(seq)
         else:
             self._compiling[request_id] = self.grammars.submit(params.structured_outputs)
+
+    def add_prefilled_request(self, request_id: str, handoff: Handoff, params: SamplingParams | None = None,
+                              priority: int = 0) -> None:
+        """PD decode side: continue a request whose prompt a prefill instance computed, from the state in handoff
+        (its first output token is handoff.first_token), once the pools have room. A ValueError (one sentence) if
+        it can never run here or the state does not fit this engine's caches."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        self._check_handoff(params)
+        if params.logprobs is not None or params.prompt_logprobs is not None or params.structured_outputs is not None:
+            raise ValueError("a request continued from a prefill instance cannot ask for logprobs or structured "
+                             "outputs yet.")
+        ids = self._prompt_ids(handoff.prompt_ids)
+        self._check_fits(ids, params)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.context_length:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length of {self.context_length} tokens.")
+        pages = self.scheduler.kv_pool.pages_for(len(ids))
+        spec = {name: (t.shape, t.dtype) for name, t in handoff.tensors.items()}
+        if handoff.num_pages != pages or spec != handoff_spec(self.cache, pages) or \
+                not 0 <= handoff.first_token < self.config.vocab_size:
+            raise ValueError("the state handed over does not fit this engine's caches (another model, dtype or page "
+                             "size).")
+        request = Request(request_id, None, ids, params, next(self._arrivals), priority)
+        self.requests[request_id] = request
+        seq = self._new_sequence(request)
+        self._accept(seq, handoff.first_token)
+        if seq.status is Status.FINISHED:
+            self._finished_on_arrival.append(request)
+        else:
+            seq.prefilled = handoff
+            self.scheduler.add(seq)
+
+    def _check_handoff(self, params: SamplingParams) -> None:
+        if params.n != 1:
+            raise ValueError("a request split between prefill and decode instances must have n=1.")
+        if (self.args.tp_size, self.args.pp_size, self.args.dcp_size) != (1, 1, 1):
+            raise ValueError("prefill/decode disaggregation runs with one process per instance for now.")
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         """A ValueError for a request that could never be admitted, even into an idle engine."""
@@ -197,7 +245,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
-        rejected = self._schedule_compiled()
+        rejected = self._schedule_compiled() + self._finished_on_arrival
+        self._finished_on_arrival = []
+        for request in rejected:
+            self.requests.pop(request.request_id, None)
         chunks = self.scheduler.schedule()
         self.stalled = not chunks and not self._compiling
         if not chunks:
@@ -339,13 +390,17 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def _append(self, seq: Sequence, token: int, result: SampleResult, row: int) -> None:
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(result, row, seq.request.params.logprobs))
+            seq.cumulative_logprob += float(result.logprobs[row])
+        self._accept(seq, token)
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """Append token to seq's output and finish seq where it stops (a PD prefill side's after one token)."""
         params = seq.request.params
         seq.output_ids.append(token)
         if seq.matcher is not None:
             seq.matcher.advance(token)
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(result, row, params.logprobs))
-            seq.cumulative_logprob += float(result.logprobs[row])
         detokenizer = seq.detokenizer
         if token in params.stop_token_ids:
             self._finish(seq, "stop", token)
@@ -358,7 +413,7 @@ class LLMEngine:
             if detokenizer is not None and detokenizer.stop_string is not None:
                 self._finish(seq, "stop", detokenizer.stop_string)
             elif (params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens) \
-                    or seq.num_tokens >= self.context_length:
+                    or seq.num_tokens >= self.context_length or seq.request.handoff is not None:
                 self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
@@ -366,7 +421,18 @@ class LLMEngine:
             seq.detokenizer.finish()
             seq.text = seq.detokenizer.text
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.request.handoff is not None:
+            self._hand_off(seq)
         self.scheduler.finish(seq)
+
+    def _hand_off(self, seq: Sequence) -> None:
+        """Read seq's state and prompt pages (after every cache write journaled before) for its handoff."""
+        request, pages = seq.request, seq.pages[:self.scheduler.kv_pool.pages_for(seq.num_computed)]
+
+        def put(tensors: dict[str, torch.Tensor]) -> None:
+            request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages)))
+        self.runner.ops.save(handoff_parts(seq.slot, pages), put)
+        apply_ops(self.cache, self.runner.ops.take())
 
     def _logprob_entry(self, result: SampleResult, row: int, num_top: int) -> TokenLogprobs:
         """The chosen token's raw logprob and rank, plus the top num_top alternatives."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache.radix import Node
+from .handoff import Handoff
 from .outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
 from .structured import CompiledGrammar, GrammarMatcher
@@ -34,6 +36,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     grammar: CompiledGrammar | None = None      # params.structured_outputs, once compiled
     num_cached_tokens: int | None = None        # prompt tokens served from the prefix cache, once admitted
+    handoff: Callable[[Handoff], None] | None = None    # PD prefill side: gets the state after the first token
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ class Sequence:
     cache_node: Node | None = None        # prefix cache: the node of its last page in the tree (it holds a lock)
     cached_pages: int = 0                 # its first cached_pages pages are in the tree
     last_snapshot: int = 0                # tokens computed at its last state snapshot
+    prefilled: Handoff | None = None      # PD decode side: the prompt's state, loaded when it is admitted
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.radix import Hit, PrefixCache
 from .cache.state_pool import StatePool
+from .handoff import handoff_parts
 from .request import Sequence, Status
 
 
@@ -186,7 +187,7 @@ class Scheduler:
         """The cached prefix seq resumes from (locked until admission ends), or None. A request that wants prompt
         logprobs computes its whole prompt."""
         cache = self.prefix_cache
-        if cache is None or seq.request.prompt_logprobs is not None:
+        if cache is None or seq.request.prompt_logprobs is not None or seq.prefilled is not None:
             return None
         hit = cache.match(seq.tokens(0, seq.num_tokens), seq.num_tokens - 1)
         if seq.request.num_cached_tokens is None:
@@ -197,7 +198,11 @@ class Scheduler:
         return hit
 
     def _admit_from(self, seq: Sequence, hit: Hit | None, slots: int, budget: int) -> int:
+        """Admission resuming after hit, or after the prompt of a prefilled sequence (loading its state), or from
+        the start."""
         cache, start = self.prefix_cache, hit.length if hit is not None else 0
+        if seq.prefilled is not None:
+            start = len(seq.request.prompt_ids)
         if self.state_pool.num_free < slots and cache is not None:
             cache.reclaim_slots(slots - self.state_pool.num_free)
         if self.state_pool.num_free < slots:
@@ -222,15 +227,18 @@ class Scheduler:
             self.state_pool.copy(hit.snapshot.slot, seq.slot)
             if hit.snapshot.tail_page is not None:
                 self.kv_pool.ops.copy_pages([hit.snapshot.tail_page], [seq.pages[len(shared)]])
+        elif seq.prefilled is not None:
+            handoff, seq.prefilled = seq.prefilled, None
+            self.kv_pool.ops.load(handoff_parts(seq.slot, seq.pages[:handoff.num_pages]), handoff.tensors)
         if cache is not None:
             seq.cache_node = hit.node if hit is not None else cache.root
             seq.cache_node.locks += hit is None
             seq.cached_pages = len(shared)
             seq.last_snapshot = start
             if seq.request.num_cached_tokens is None:
-                cache.stats.cached_tokens += start
+                cache.stats.cached_tokens += hit.length if hit is not None else 0
         if seq.request.num_cached_tokens is None:
-            seq.request.num_cached_tokens = start
+            seq.request.num_cached_tokens = hit.length if hit is not None else 0
         self.page_table.set(seq.slot, 0, seq.pages)
         seq.num_computed = start
         seq.status = Status.RUNNING

@@ -1,0 +1,106 @@
+"""PD disaggregation's engine hooks: a prefill engine hands a request's state over after its first token, a
+decode engine continues from it, and the pair answers as one engine does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.args import EngineArgs
+from kestrel.engine.cache.device_ops import apply_ops
+from kestrel.engine.cache.hicache import pages_to_entry, slot_to_entry
+from kestrel.engine.engine import LLMEngine
+from kestrel.engine.handoff import Handoff
+from helpers import assert_idle
+
+VOCAB, PAGE = 320, 4
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(engine: LLMEngine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def prefill(engine: LLMEngine, request_id: str, ids: list[int], params: SamplingParams) -> Handoff:
+    handed: list[Handoff] = []
+    engine.add_request(request_id, ids, params, handoff=handed.append)
+    output = run(engine)[request_id]
+    assert len(handed) == 1 and output.outputs[0].token_ids == [handed[0].first_token]
+    return handed[0]
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    args = dict(model=str(model_dir), page_size=PAGE, chunked_prefill_size=8)
+    return LLMEngine(EngineArgs(**args)), LLMEngine(EngineArgs(**args))
+
+
+def test_prefill_then_decode_equals_one_engine(engines, model_dir):
+    prefiller, decoder = engines
+    unified = LLM(str(model_dir), page_size=PAGE)
+    prompts = [prompt(1, 3), prompt(2, 17), prompt(3, 30)]
+    expected = [o.outputs[0].token_ids for o in unified.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                 greedy())]
+    handoffs = [prefill(prefiller, f"p{i}", p, greedy()) for i, p in enumerate(prompts)]
+    for i, handoff in enumerate(handoffs):
+        decoder.add_prefilled_request(f"d{i}", handoff, greedy())
+    finals = run(decoder)
+    assert [finals[f"d{i}"].outputs[0].token_ids for i in range(3)] == expected
+    assert_idle(prefiller.scheduler)
+    assert_idle(decoder.scheduler)
+
+
+def test_the_decode_side_holds_exactly_what_the_prefill_side_sent(engines):
+    prefiller, decoder = engines
+    handoff = prefill(prefiller, "bits", prompt(4, 21), greedy())
+    decoder.add_prefilled_request("bits", handoff, greedy())
+    decoder.scheduler.schedule()                              # admitted: the load is journaled
+    apply_ops(decoder.cache, decoder.runner.ops.take())
+    seq = decoder.requests["bits"].sequences[0]
+    received = {f"0.{k}": v for k, v in slot_to_entry(decoder.cache, seq.slot).items()}
+    for p, page in enumerate(seq.pages[:handoff.num_pages], 1):
+        received.update({f"{p}.{k}": v for k, v in pages_to_entry(decoder.cache, page).items()})
+    assert received.keys() == handoff.tensors.keys()
+    assert all(torch.equal(received[k], handoff.tensors[k]) for k in received)
+    assert any(k.endswith("recurrent") and handoff.tensors[k].abs().sum() > 0 for k in received)
+    decoder.abort_request("bits")
+    assert_idle(decoder.scheduler)
+
+
+def test_a_state_that_does_not_fit_is_refused(engines):
+    prefiller, decoder = engines
+    handoff = prefill(prefiller, "fit", prompt(5, 9), greedy())
+    name = next(k for k in handoff.tensors if k.startswith("1."))
+    bad = [Handoff(handoff.prompt_ids, handoff.first_token, handoff.tensors, handoff.num_pages + 1),
+           Handoff(handoff.prompt_ids, handoff.first_token,
+                   {**handoff.tensors, name: handoff.tensors[name][:-1]}, handoff.num_pages),
+           Handoff(handoff.prompt_ids, VOCAB + 5, handoff.tensors, handoff.num_pages)]
+    for h in bad:
+        with pytest.raises(ValueError, match="does not fit this engine's caches"):
+            decoder.add_prefilled_request("fit", h, greedy())
+    with pytest.raises(ValueError, match="n=1"):
+        prefiller.add_request("two", [5, 6], SamplingParams(n=2), handoff=print)
+    assert not decoder.requests and not prefiller.requests
+
+
+def test_a_first_token_that_ends_the_request_finishes_it_on_arrival(engines):
+    prefiller, decoder = engines
+    handoff = prefill(prefiller, "one", prompt(6, 7), greedy(1))
+    decoder.add_prefilled_request("one", handoff, greedy(1))
+    finals = run(decoder)
+    assert finals["one"].outputs[0].token_ids == [handoff.first_token]
+    assert finals["one"].outputs[0].finish_reason == "length"
+    assert_idle(decoder.scheduler)

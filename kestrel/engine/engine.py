@@ -13,20 +13,18 @@ from pathlib import Path
 
 import torch
 
-from ..layers.cache import HybridCache
-from ..layers.moe import RoutedExperts, hold_dense_experts
-from ..models.checkpoint import load_model
-from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
+from ..distributed.layout import ParallelLayout
+from ..distributed.parallel import SINGLE
+from .args import EngineArgs
 from .cache.device_ops import DeviceOps, apply_ops
 from .cache.kv_pool import KVPool
-from .cache.page_table import PageTable
-from .cache.planner import MemoryPlanError, device_memory, plan_memory
 from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .handoff import Handoff, handoff_parts, handoff_spec
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
+from .ranks import Ranks, load_shard
 from .request import Request, Sequence, Status
 from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs, model_sampling_defaults,
                        new_generator, raw_logprobs, sample)
@@ -45,13 +43,19 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
-        args.apply_backends()
-        folder, device = Path(args.model), torch.device(args.device)
-        self.model = load_model(folder, None if args.dtype == "auto" else DTYPES[args.dtype], device)
-        self.config = self.model.config
-        if args.moe_mxfp8_activations:
-            self._use_mxfp8_activations()
-        dense_experts = self._hold_dense_experts(device)
+        folder, layout = Path(args.model), ParallelLayout.from_args(args)
+        self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
+        device = self.ranks.device if self.ranks else torch.device(args.device)
+        graphs = not args.disable_cuda_graph and graphs_supported(device)
+        if graphs and self.ranks:
+            log.info("decode: CUDA graphs are not used with more than one rank yet; decoding eagerly")
+        try:
+            shard = load_shard(args, self.ranks.par if self.ranks else SINGLE, device,
+                               self.ranks.control if self.ranks else None, graphs and not self.ranks)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model, self.plan, self.config, self.cache = shard.model, shard.plan, shard.model.config, shard.cache
         self.tokenizer = Tokenizer.from_folder_or_none(folder)
         if self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -60,26 +64,7 @@ class LLMEngine:
         self.sampling_defaults = model_sampling_defaults(folder)
         self.grammars = (GrammarCompiler(self.tokenizer, self.config.vocab_size)
                          if self.tokenizer is not None and self.eos_token_ids else None)
-        dtype = self.model.lm_head.weight.dtype
-        ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
-        weights = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
-        self.plan = plan_memory(self.config, args, sum(weights.values()) + dense_experts, device_memory(device),
-                                dtype, ssm_dtype, kv_dtype)
-        log.info(self.plan.describe())
-        graphs = not args.disable_cuda_graph and graphs_supported(device)
-        scratch = 1 if graphs else 0      # a state slot and a page, beyond the pools, for graph batches' padding
-        slots, pages = self.plan.num_slots, self.plan.num_pages
-        try:
-            self.cache = HybridCache.allocate(self.config, slots + scratch, pages + scratch, self.plan.page_size,
-                                              dtype, ssm_dtype, kv_dtype, device)
-        except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
-            size = (self.plan.state_pool_bytes + self.plan.kv_pool_bytes) / 2**30
-            raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "
-                                  "--mem-fraction-static, --max-total-tokens or --max-mamba-cache-size.") from e
-        max_pages = -(-self.plan.context_length // self.plan.page_size)
-        # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
-        page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
+        slots, pages, page_table = self.plan.num_slots, self.plan.num_pages, shard.page_table
         ops = DeviceOps()
         state_pool, kv_pool = StatePool(slots, ops), KVPool(pages, self.plan.page_size, ops)
         prefix_cache = build_prefix_cache(args, state_pool, kv_pool, self.cache, self.plan)
@@ -87,12 +72,12 @@ class LLMEngine:
                                    args.chunked_prefill_size, args.max_prefill_tokens, prefix_cache,
                                    args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval)
         decode_graphs = None
-        if graphs:
+        if shard.graphs:
             max_batch = min(args.cuda_graph_max_bs, self.plan.max_running_requests)
             decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_batch, scratch_slot=slots)
             log.info("decode: CUDA graphs for batches of up to %d sequences, captured on first use",
                      decode_graphs.max_batch_size)
-        self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs)
+        self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
@@ -100,27 +85,11 @@ class LLMEngine:
         self._finished_on_arrival: list[Request] = []    # prefilled requests whose first token ended them
         torch.manual_seed(args.random_seed)
 
-    def _use_mxfp8_activations(self) -> None:
-        """Round every routed expert's GEMM inputs to MXFP8 (blocks of 32 along both GEMMs' input widths)."""
-        widths = (self.config.expert_dim, self.config.moe_intermediate_size)
-        if not self.config.num_experts:
-            raise ValueError(f"--moe-mxfp8-activations needs routed experts, and {self.args.model} has none.")
-        if any(w % 32 for w in widths):
-            raise ValueError(f"--moe-mxfp8-activations needs expert widths that are multiples of 32, and "
-                             f"{self.args.model}'s are {widths}.")
-        for module in self.model.modules():
-            if isinstance(module, RoutedExperts):
-                module.mxfp8_activations = True
-
-    def _hold_dense_experts(self, device: torch.device) -> int:
-        """--moe-dense-experts: a dense copy of the MXFP4 routed experts for the CPU's in-place MoE (about 2x faster
-        experts for 2 or 4 bytes per weight, docs/benchmarks.md moe-cpu); returns the bytes the copy takes."""
-        if self.args.moe_dense_experts == "none":
-            return 0
-        if device.type != "cpu" or not self.config.experts_mxfp4:
-            raise ValueError(f"--moe-dense-experts is for MXFP4 experts on the CPU, and {self.args.model} on "
-                             f"{device.type} has {'MXFP4' if self.config.experts_mxfp4 else 'dense'} experts.")
-        return hold_dense_experts(self.model, DTYPES[self.args.moe_dense_experts])
+    def shutdown(self) -> None:
+        """Stop the other ranks of a distributed instance (nothing to do in one process)."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     @property
     def context_length(self) -> int:

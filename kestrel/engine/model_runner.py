@@ -1,16 +1,51 @@
-"""Runs one scheduled step: one flat batch of every chunk's tokens through the model, logits where needed."""
+"""Runs one scheduled step: one flat batch of every chunk's tokens through the model, logits where needed.
+
+With several ranks, rank 0's runner turns the scheduled chunks into a `Step` (plain data: the cache copies and
+page-table changes since the last step, then the batch) and sends it to the other ranks, whose runners `execute`
+the same Step on their model shards; every rank ends with the full logits.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
-from .cache.device_ops import DeviceOps, apply_ops
+from .cache.device_ops import DeviceOps, Op, apply_ops
 from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step as every rank runs it."""
+
+    ops: list[Op]              # cache copies journaled since the last step (DeviceOps.take)
+    table: list[int]           # page-table changes since the last step (PageTable.take)
+    token_ids: list[int]       # every chunk's new tokens, chunk after chunk
+    starts: list[int]          # per chunk: tokens of its sequence already in the caches
+    lengths: list[int]         # per chunk: new tokens
+    slots: list[int]           # per chunk: its sequence's state slot (and page-table row)
+    width: int                 # page-table columns the batch reads
+    all_rows: list[int]        # chunks that need logits at every position
+    samples: list[int]         # chunks that need logits at their last position
+
+
+class RankFailure(RuntimeError):
+    """A rank of a distributed instance failed; the instance cannot run any further step."""
+
+
+class Peers(Protocol):
+    """Rank 0's handle on the other ranks (engine.ranks.Ranks)."""
+
+    def send(self, step: Step) -> None: ...
+
+    def explain(self, error: BaseException) -> str: ...
 
 
 class ModelRunner:
@@ -18,43 +53,68 @@ class ModelRunner:
 
     Each step first applies the cache copies journaled in ops since the last step, and the page table's changes.
     With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead.
+    With peers (rank 0 of several), each step is sent to the other ranks before it runs here; a failure then
+    stops the instance: this and every later run raise RankFailure.
     """
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table
         self.ops = ops
         self.device = model.lm_head.weight.device
         self.decode_graphs = decode_graphs
+        self.peers = peers
+        self.failure: str | None = None
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], all_rows: set[int]) -> list[torch.Tensor | None]:
         """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
         every position), [1, vocab] at the last token for chunks that sample, None for the rest."""
-        apply_ops(self.cache, self.ops.take())
-        self.page_table.flush()
-        graphs, width = self.decode_graphs, max(len(c.seq.pages) for c in chunks)
+        if self.failure is not None:
+            raise RankFailure(self.failure)
+        step = Step(self.ops.take(), self.page_table.take(),
+                    [t for c in chunks for t in c.seq.tokens(c.start, c.start + c.length)],
+                    [c.start for c in chunks], [c.length for c in chunks], [c.seq.slot for c in chunks],
+                    max(len(c.seq.pages) for c in chunks), sorted(all_rows),
+                    [i for i, c in enumerate(chunks) if c.samples])
+        graphs = self.decode_graphs
         if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)
-                and graphs.fits(len(chunks), width)):
-            logits = graphs.run([c.seq.tokens(c.start, c.start + 1)[0] for c in chunks], [c.start for c in chunks],
-                                [c.seq.slot for c in chunks], width)
+                and graphs.fits(len(chunks), step.width)):
+            self._apply_changes(step)
+            logits = graphs.run(step.token_ids, step.starts, step.slots, step.width)
             return [logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
-        slots = torch.tensor([c.seq.slot for c in chunks], device=self.device)
-        batch = ForwardBatch.build([c.length for c in chunks], [c.start for c in chunks], slots,
-                                   self.page_table.gather(slots, width), self.cache.page_size, self.device)
-        ids = torch.tensor([t for c in chunks for t in c.seq.tokens(c.start, c.start + c.length)],
-                           device=self.device)
-        hidden = self.model(ids, batch, self.cache)
+        if self.peers is None:
+            return self.execute(step)
+        try:
+            self.peers.send(step)
+            return self.execute(step)
+        except Exception as e:     # the ranks may now disagree about the caches: no step can run any more
+            self.failure = f"the distributed instance stopped: {self.peers.explain(e)}"
+            raise RankFailure(self.failure) from e
+
+    @torch.inference_mode()
+    def execute(self, step: Step) -> list[torch.Tensor | None]:
+        """Run step on this rank's model (see run for what comes back)."""
+        self._apply_changes(step)
+        slots = torch.tensor(step.slots, device=self.device)
+        batch = ForwardBatch.build(step.lengths, step.starts, slots, self.page_table.gather(slots, step.width),
+                                   self.cache.page_size, self.device)
+        hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         ends = batch.cu_seqlens[1:].tolist()
-        wanted = [i for i, c in enumerate(chunks) if i in all_rows or c.samples]
-        out: list[torch.Tensor | None] = [None] * len(chunks)
+        all_rows = set(step.all_rows)
+        wanted = sorted(all_rows | set(step.samples))
+        out: list[torch.Tensor | None] = [None] * len(step.lengths)
         if not wanted:
             return out
-        rows = [torch.arange(ends[i] - chunks[i].length if i in all_rows else ends[i] - 1, ends[i],
+        rows = [torch.arange(ends[i] - step.lengths[i] if i in all_rows else ends[i] - 1, ends[i],
                              device=self.device) for i in wanted]
         logits = self.model.compute_logits(hidden[torch.cat(rows)]).split([len(r) for r in rows])
         for i, chunk_logits in zip(wanted, logits):
             out[i] = chunk_logits
         return out
+
+    def _apply_changes(self, step: Step) -> None:
+        apply_ops(self.cache, step.ops)
+        self.page_table.apply(step.table)

@@ -10,23 +10,27 @@ from .. import ops
 from ..config import ModelConfig
 from ..ops import backend
 from ..ops.torch.kda_decode import KDALayerParams, decay_gate, gated_rms_norm, l2_normalize
+from ..distributed.parallel import SINGLE, Parallel
 from .batch import ForwardBatch
 from .cache import HybridCache
 from .norm import RMSNorm
+from .parallel import RowParallelLinear
 
 
 class KimiDeltaAttention(nn.Module):
     """One KDA layer. Parameter names follow the checkpoints (`self_attn.*`); A_log is held as [H].
 
     kda_index: the layer's position among the model's KDA layers (its state pool in a HybridCache).
+    Under tensor parallelism each rank runs num_heads = H / tp heads (their projections, convs, gates and state);
+    o_proj is row-parallel.
     """
 
-    def __init__(self, config: ModelConfig, kda_index: int):
+    def __init__(self, config: ModelConfig, kda_index: int, par: Parallel = SINGLE):
         super().__init__()
         self.kda_index = kda_index
-        self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
+        self.num_heads, self.head_dim = config.kda_num_heads // par.tp_size, config.kda_head_dim
         self.lower_bound = config.kda_gate_lower_bound
-        width = self.num_heads * self.head_dim
+        width = config.kda_num_heads * self.head_dim
         hidden, kernel = config.hidden_size, config.conv_kernel_size
         self.q_proj = nn.Linear(hidden, width, bias=False)
         self.k_proj = nn.Linear(hidden, width, bias=False)
@@ -35,16 +39,16 @@ class KimiDeltaAttention(nn.Module):
             setattr(self, name, nn.Conv1d(width, width, kernel, groups=width, bias=False, dtype=torch.float32))
         self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
-        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.b_proj = nn.Linear(hidden, config.kda_num_heads, bias=False)
         if config.kda_full_rank_output_gate:
             self.g_proj = nn.Linear(hidden, width, bias=False)
         else:
             self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
             self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
-        self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(config.kda_num_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.o_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=torch.float32)   # gated by g_proj
-        self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.o_proj = RowParallelLinear(width, hidden, par)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None) -> torch.Tensor:
         """x: [T, hidden] (after input_layernorm) -> [T, hidden]. Reads and writes the sequences' state slots.

@@ -16,9 +16,11 @@ from .. import ops
 from ..config import ModelConfig
 from ..ops import backend
 from ..ops.torch.paged_attention import topk_positions
+from ..distributed.parallel import SINGLE, Parallel
 from .batch import ForwardBatch
 from .cache import HybridCache
 from .norm import RMSNorm
+from .parallel import RowParallelLinear
 
 PLAIN, ABSORBED, AUTO = "plain", "absorbed", "auto"
 
@@ -29,15 +31,21 @@ class LightningIndexer(nn.Module):
     I[t, s] = sum_h w[t, h] relu(qI[t, h] . kI[s]) / sqrt(D), with qI from the query latent, kI = LayerNorm(wk x),
     w = weights_proj(x) / sqrt(heads). The Hadamard rotation and FP8 rounding of DeepSeek's kernels are omitted:
     the rotation is orthogonal, so exact scores are unchanged.
+
+    Under tensor parallelism each rank scores with its Hi / tp heads (the keys are shared by all heads, so wk and
+    k_norm are replicated) and `reduce` sums the partial scores over the ranks before top-k, so every rank selects
+    the same positions.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
-        self.num_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.par = par
+        heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.num_heads, self.weight_scale = heads // par.tp_size, heads ** -0.5
+        self.wq_b = nn.Linear(config.q_lora_rank, heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, bias=config.index_k_norm_bias)
-        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, heads, bias=False)
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> index keys [T, D] (what the indexer-key cache stores)."""
@@ -46,15 +54,19 @@ class LightningIndexer(nn.Module):
         return k.to(x.dtype)
 
     def queries(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The index queries [T, Hi, D] and their head weights [T, Hi] fp32 (scaled by Hi^-0.5)."""
+        """This rank's index queries [T, Hi/tp, D] and their head weights [T, Hi/tp] fp32 (scaled by Hi^-0.5)."""
         q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
-        return q, self.weights_proj(x).float() * self.num_heads ** -0.5
+        return q, self.weights_proj(x).float() * self.weight_scale
+
+    def reduce(self, partial_scores: torch.Tensor) -> torch.Tensor:
+        """The scores of all heads from every rank's partial scores (-inf where masked on every rank)."""
+        return self.par.all_reduce(partial_scores.contiguous())
 
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, context_keys: torch.Tensor, batch: ForwardBatch,
                mask: torch.Tensor) -> torch.Tensor:
         """Index scores [N, L, S] fp32 (-inf where mask is False) of the new tokens against context_keys [N, S, D]."""
         q, weights = self.queries(x, q_latent)
-        return ops.indexer_scores(batch.to_padded(q), context_keys, batch.to_padded(weights), mask)
+        return self.reduce(ops.indexer_scores(batch.to_padded(q), context_keys, batch.to_padded(weights), mask))
 
 
 class GatedMLA(nn.Module):
@@ -62,12 +74,14 @@ class GatedMLA(nn.Module):
 
     mla_index: the layer's position among the model's MLA layers (its pages in a HybridCache).
     form: PLAIN, ABSORBED, or AUTO (absorbed when every sequence brings one new token, plain otherwise).
+    Under tensor parallelism each rank runs num_heads = H / tp heads: the latent projections (q_a, kv_a) and the
+    cached latents are replicated, the head projections (q_b, kv_b, g) split, o_proj row-parallel.
     """
 
-    def __init__(self, config: ModelConfig, mla_index: int, with_indexer: bool):
+    def __init__(self, config: ModelConfig, mla_index: int, with_indexer: bool, par: Parallel = SINGLE):
         super().__init__()
         self.mla_index = mla_index
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads // par.tp_size
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.latent_dim = config.kv_lora_rank
         self.scale = config.qk_head_dim ** -0.5
@@ -84,8 +98,8 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         if config.mla_output_gate:
             self.g_proj = nn.Linear(hidden, heads * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
-        self.indexer = LightningIndexer(config) if with_indexer else None
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, par)
+        self.indexer = LightningIndexer(config, par) if with_indexer else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None,
                 index_scores_out: list | None = None, attention_out: list | None = None) -> torch.Tensor:
@@ -124,9 +138,9 @@ class GatedMLA(nn.Module):
         selected = None
         if self.indexer is not None:
             pages.index_keys.write(batch.kv_write_index, index_keys)
-            scores = backend.get_op("paged_indexer_scores", x.device)(
+            scores = self.indexer.reduce(backend.get_op("paged_indexer_scores", x.device)(
                 *self.indexer.queries(x, q_latent), pages.index_keys.values, pages.index_keys.scales,
-                batch.page_table, cache.page_size, batch.seq_index, batch.positions, batch.max_total)
+                batch.page_table, cache.page_size, batch.seq_index, batch.positions, batch.max_total))
             selected = topk_positions(scores, self.indexer.topk)
         w_uk, w_uv = self._absorption()
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)

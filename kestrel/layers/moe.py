@@ -3,6 +3,11 @@
 MoE (model-spec section 6): a sigmoid router whose correction bias only steers selection; the routed experts
 read a latent projection of x (K3: 7168 -> 3584) when the model has one, and their RMSNormed sum is projected
 back; shared experts read x itself.
+
+Under tensor parallelism the dense MLP and the shared experts split their intermediate width; routed experts are
+split by expert over the EP groups and by intermediate width inside each group (kestrel.distributed.layout). The
+router runs whole on every rank (same weights, same input: the same selection everywhere); each rank computes its
+experts' share of every token's sum, and one all-reduce combines the routed and shared partial outputs.
 """
 
 from __future__ import annotations
@@ -11,21 +16,30 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.layout import partition
+from ..distributed.parallel import SINGLE, Parallel
 from ..ops import backend
 from ..ops.torch.moe import ExpertWeights
 from .activation import glu_activation
 from .norm import RMSNorm
+from .parallel import RowParallelLinear
 
 
 class GatedMLP(nn.Module):
-    """down_proj(act(gate_proj x, up_proj x)); the dense layer 0 and the shared experts."""
+    """down_proj(act(gate_proj x, up_proj x)); the dense layer 0 and the shared experts.
 
-    def __init__(self, config: ModelConfig, hidden: int, intermediate: int):
+    Under tensor parallelism each rank holds a share of the intermediate width; reduce=False leaves the sum of the
+    ranks' partial outputs to the caller (MoE fuses it with the routed experts').
+    """
+
+    def __init__(self, config: ModelConfig, hidden: int, intermediate: int, par: Parallel = SINGLE,
+                 reduce: bool = True):
         super().__init__()
         self.activation = glu_activation(config)
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = (RowParallelLinear(intermediate, hidden, par) if reduce
+                          else nn.Linear(intermediate, hidden, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
@@ -71,10 +85,17 @@ class RoutedExperts(nn.Module):
     (the CPU trade of memory for time, costs in `kestrel.ops.torch.moe`). With `mxfp8_activations` (off by default;
     `--moe-mxfp8-activations`) the GEMM inputs are rounded to MXFP8, as the family's quantization-aware training did
     (W4A8).
+
+    With expert parallelism the rank holds experts [first_expert, first_expert + E/ep) and computes only the
+    token-expert pairs that chose them.
     """
 
-    def __init__(self, config: ModelConfig, dim: int):
+    def __init__(self, config: ModelConfig, dim: int, par: Parallel = SINGLE):
         super().__init__()
+        rank, parts = par.layout.axis("ep")
+        self.num_experts = config.num_experts
+        self.first_expert, end = partition(config.num_experts, parts, rank)
+        self.local_experts = end - self.first_expert
         self.activation = glu_activation(config)
         self.mxfp4 = config.experts_mxfp4
         self.mxfp8_activations = False
@@ -112,16 +133,24 @@ class RoutedExperts(nn.Module):
                              self.w2_scale)
 
     def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z [T, D], ids/weights [T, k] -> sum_k weights * expert_k(z), [T, D] in z's dtype."""
-        return backend.get_op("moe_experts", z.device)(z, ids, weights, self.weights(), self.activation,
-                                                        self.mxfp8_activations)
+        """z [T, D], ids/weights [T, k] (global expert ids) -> sum_k weights * expert_k(z) over this rank's
+        experts, [T, D] in z's dtype."""
+        op = backend.get_op("moe_experts", z.device)
+        if self.first_expert == 0 and self.local_experts == self.num_experts:
+            return op(z, ids, weights, self.weights(), self.activation, self.mxfp8_activations)
+        local = ids - self.first_expert
+        token, k = ((local >= 0) & (local < self.local_experts)).nonzero(as_tuple=True)     # this rank's pairs
+        pairs = op(z[token], local[token, k].unsqueeze(1), weights[token, k].unsqueeze(1), self.weights(),
+                   self.activation, self.mxfp8_activations)
+        return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, token, pairs.float()).to(z.dtype)
 
 
 class MoE(nn.Module):
     """`block_sparse_moe.*`: router, routed experts (in a latent space when configured), shared experts."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
+        self.par = par
         self.gate = Router(config)
         self.latent = config.routed_expert_hidden_size is not None
         if self.latent:
@@ -129,24 +158,32 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(config.expert_dim, config.hidden_size, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(config.expert_dim, config.rms_norm_eps)
-        self.experts = RoutedExperts(config, config.expert_dim)
+        self.experts = RoutedExperts(config, config.expert_dim, par)
         if config.num_shared_experts:
             width = config.moe_intermediate_size * config.num_shared_experts
-            self.shared_experts = GatedMLP(config, config.hidden_size, width)
+            self.shared_experts = GatedMLP(config, config.hidden_size, width, par, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         ids, weights = self.gate(x)
-        if self.latent:
-            y = self.experts(self.routed_expert_down_proj(x), ids, weights)
-            if hasattr(self, "routed_expert_norm"):
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
-        else:
+        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        if not self.latent:
             y = self.experts(x, ids, weights)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
-        return y
+            return self.par.all_reduce(y if shared is None else y + shared)
+        y, shared = self._sum_over_ranks(self.experts(self.routed_expert_down_proj(x), ids, weights), shared)
+        if hasattr(self, "routed_expert_norm"):
+            y = self.routed_expert_norm(y)
+        y = self.routed_expert_up_proj(y)
+        return y if shared is None else y + shared
+
+    def _sum_over_ranks(self, routed: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor | None]:
+        """The ranks' partial latent routed sums [T, latent] and shared outputs [T, hidden], summed in one
+        all-reduce (the latent sum must be whole before its norm)."""
+        if self.par.group is None or shared is None:
+            return self.par.all_reduce(routed), shared
+        both = self.par.all_reduce(torch.cat([routed, shared], dim=-1))
+        return both.split([routed.shape[-1], shared.shape[-1]], dim=-1)
 
 
 def hold_dense_experts(model: nn.Module, dtype: torch.dtype | None) -> int:

@@ -6,6 +6,10 @@ Names follow the family's checkpoints (model-spec section 8): K3 and K3.1 prefix
   MXFP4), stacked here along a leading expert dim;
 - `A_log` is stored as [1, 1, H, 1] (Kimi-Linear) or zero-padded to [max(H, head_dim)] (K3), held here as [H].
 Vision weights of the multimodal checkpoints are skipped: kestrel serves the text model.
+
+A tensor-parallel rank loads only its share: the sharding rules (kestrel.distributed.sharding) give the model its
+per-rank shapes and name the slice of each checkpoint tensor to read (routed experts outside the rank's EP group
+are not read at all).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig, is_k3_schema, load_config, to_hf_dict
+from ..distributed.parallel import SINGLE, Parallel
+from ..distributed.sharding import local_slices, shard_model_
 from .kimi import KimiForCausalLM
 
 log = logging.getLogger(__name__)
@@ -77,8 +83,9 @@ def _a_log_shape(config: ModelConfig) -> tuple[int, ...]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               **config_overrides) -> KimiForCausalLM:
-    """Load the model folder `path` (config.json plus safetensors, sharded or not) in eval mode.
+               par: Parallel = SINGLE, **config_overrides) -> KimiForCausalLM:
+    """Load the model folder `path` (config.json plus safetensors, sharded or not) in eval mode; with `par`, this
+    tensor-parallel rank's share of it.
 
     Tensors are read one at a time straight into the model's preallocated parameters, so the weights are never
     held twice. dtype defaults to the config's `dtype` / `torch_dtype` (bfloat16 if absent); tensors stored in
@@ -90,28 +97,51 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch
     config = load_config(folder, **config_overrides)
     if not config.index_k_norm_bias and any(n.endswith("indexer.k_norm.bias") for n in headers):
         config = dataclasses.replace(config, index_k_norm_bias=True)   # the checkpoint decides (config.py)
-    model = build_model(config, dtype or _config_dtype(folder), device="meta")
-    model.to_empty(device=device)
+    par.layout.check_model(config)
+    model = build_model(config, dtype or _config_dtype(folder), device="meta", par=par)
     layout = checkpoint_layout(model)
     targets = _match(headers, layout, config.kda_num_heads)
+    full_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    shard_model_(model, par.layout)
+    model.to_empty(device=device)
     params = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for file in files:
             with _open(file) as f:
                 for name in f.keys():
                     if name in targets:
-                        _copy_into(params[targets[name].param], targets[name], f.get_tensor(name), config, name)
+                        target = targets[name]
+                        slices = local_slices(target.param, full_shapes[target.param], par.layout)
+                        _load_slice(f, name, params[target.param], target, slices, config)
     return model.eval()
 
 
+def _load_slice(f, name: str, param: torch.Tensor, target: Target, slices: tuple[slice, ...],
+                config: ModelConfig) -> None:
+    """Copy this rank's slice of checkpoint tensor `name` into param (reading only that slice from the file)."""
+    if target.expert is not None:                 # one expert of a stacked tensor: is it this rank's?
+        first, end = slices[0].start, slices[0].stop              # the rules split every expert tensor by EP
+        if not first <= target.expert < end:
+            return
+        target = dataclasses.replace(target, expert=target.expert - first)
+        slices = slices[1:]
+    if name.endswith(".A_log"):                   # stored padded or [1, 1, H, 1]: read whole, then slice the heads
+        tensor = _a_log_heads(f.get_tensor(name), config.kda_num_heads, name)[slices]
+    else:
+        tensor = f.get_slice(name)[slices] if slices else f.get_tensor(name)
+    destination = param[target.expert] if target.expert is not None else param
+    destination.copy_(tensor)
+
+
 def build_model(config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu") -> KimiForCausalLM:
-    """A model of `config` with uninitialised weights in dtype (the family's fp32 tensors stay fp32)."""
+                device: torch.device | str = "cpu", par: Parallel = SINGLE) -> KimiForCausalLM:
+    """A model of `config` with uninitialised weights in dtype (the family's fp32 tensors stay fp32); with a `par`
+    of several ranks, its modules are one rank's, still at full size (see kestrel.distributed.sharding)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return KimiForCausalLM(config)
+            return KimiForCausalLM(config, par)
     finally:
         torch.set_default_dtype(previous)
 
@@ -202,13 +232,6 @@ def _shape_ok(name: str, shape: tuple[int, ...], target: Target, heads: int) -> 
     if name.endswith(".A_log"):
         return shape == (1, 1, heads, 1) or (len(shape) == 1 and shape[0] >= heads)
     return shape == target.shape
-
-
-def _copy_into(param: torch.Tensor, target: Target, tensor: torch.Tensor, config: ModelConfig, name: str) -> None:
-    if name.endswith(".A_log"):
-        tensor = _a_log_heads(tensor, config.kda_num_heads, name)
-    destination = param[target.expert] if target.expert is not None else param
-    destination.copy_(tensor)
 
 
 def _a_log_heads(tensor: torch.Tensor, heads: int, name: str) -> torch.Tensor:

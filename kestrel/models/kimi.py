@@ -9,6 +9,10 @@ Forward API: one flat batch of many sequences' new tokens with explicit caches,
     logits = model.compute_logits(hidden[rows])        # [R, vocab]
 
 so the engine can run prefill chunks and decode steps of many requests in one call.
+
+Built with a `Parallel` of more than one rank, the modules are those of one tensor-parallel rank: they are
+constructed at full size and take their per-rank shapes from kestrel.distributed.sharding before the weights load
+(models/checkpoint.py does both); compute_logits then returns the full vocabulary's logits on every rank.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import torch
 from torch import nn
 
 from ..config import KDA, MLA, ModelConfig
+from ..distributed.parallel import SINGLE, Parallel
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import GatedMLA
 from ..layers.moe import MoE, GatedMLP
 from ..layers.norm import RMSNorm
+from ..layers.parallel import VocabParallelEmbedding, gather_vocab
 from ..ops import backend
 
 
@@ -34,19 +40,19 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, kind: str, cache_index: int, attn_res: bool,
-                 with_indexer: bool):
+                 with_indexer: bool, par: Parallel = SINGLE):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         if kind == KDA:
-            self.self_attn = KimiDeltaAttention(config, cache_index)
+            self.self_attn = KimiDeltaAttention(config, cache_index, par)
         else:
-            self.self_attn = GatedMLA(config, cache_index, with_indexer)
+            self.self_attn = GatedMLA(config, cache_index, with_indexer, par)
         if config.is_moe_layer(layer_id):
-            self.block_sparse_moe = MoE(config)
+            self.block_sparse_moe = MoE(config, par)
         else:
-            self.mlp = GatedMLP(config, d, config.intermediate_size)
+            self.mlp = GatedMLP(config, d, config.intermediate_size, par)
         if attn_res:
             self.self_attention_res_norm = RMSNorm(d, eps)
             self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
@@ -74,8 +80,9 @@ class MTPLayer(DecoderLayer):
     (model-spec 11.4); kestrel gives it none.
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int, cache_index: int):
-        super().__init__(config, layer_id, MLA, cache_index, attn_res=False, with_indexer=False)
+    def __init__(self, config: ModelConfig, layer_id: int, cache_index: int, par: Parallel = SINGLE):
+        super().__init__(config, layer_id, MLA, cache_index, attn_res=False, with_indexer=False, par=par)
+        self.par, self.vocab_size = par, config.vocab_size
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
@@ -89,25 +96,25 @@ class MTPLayer(DecoderLayer):
         """hidden, next_embeds [T, D] -> draft logits [T, vocab] for the token after next."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         x = super().forward(x, batch, cache)
-        return self.shared_head.head(self.shared_head.norm(x))
+        return gather_vocab(self.shared_head.head(self.shared_head.norm(x)), self.vocab_size, self.par)
 
 
 class KimiTextModel(nn.Module):
     """`model.*`: embeddings, the decoder layers (MTP layers last), final norm, AttnRes output mix."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
         self.config = config
         d = config.hidden_size
         attn_res = config.attn_res_block_size is not None
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, par)
         layers: list[nn.Module] = []
         counts = {KDA: 0, MLA: 0}
         for i, kind in enumerate(config.layer_types):
-            layers.append(DecoderLayer(config, i, kind, counts[kind], attn_res, config.has_indexer))
+            layers.append(DecoderLayer(config, i, kind, counts[kind], attn_res, config.has_indexer, par))
             counts[kind] += 1
         for j in range(config.num_nextn_predict_layers):
-            layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j))
+            layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j, par))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if attn_res:
@@ -152,12 +159,13 @@ class KimiTextModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """The causal LM: `model.*` and `lm_head`."""
+    """The causal LM: `model.*` and `lm_head`; with `par`, one tensor-parallel rank's share of it."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
         self.config = config
-        self.model = KimiTextModel(config)
+        self.par = par
+        self.model = KimiTextModel(config, par)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -174,7 +182,7 @@ class KimiForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, D] -> logits [R, vocab] in fp32."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        return gather_vocab(self.lm_head(self.model.norm(hidden)).float(), self.config.vocab_size, self.par)
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:

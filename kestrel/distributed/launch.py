@@ -1,0 +1,146 @@
+"""Starting an instance's ranks and their process groups: spawned on this machine by rank 0 (and by each other
+node's first rank with --nnodes), or launched one process per rank by torchrun.
+
+Rank r of W runs on node r // (W / nnodes). Process groups: the tensor-parallel collectives run on the default
+group (NCCL on CUDA, gloo on the CPU, `timeout_s` per collective: a rank that stops answering fails the step);
+the step messages rank 0 sends go through a gloo group without a practical timeout, so idle ranks wait for work.
+A rank whose peer dies gets an error at once (gloo and NCCL see the closed connection), so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParallelLayout
+from .parallel import Parallel
+
+log = logging.getLogger("kestrel")
+
+COLLECTIVE_TIMEOUT_S = 600
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one rank runs: its rank, its device index on its node, and the rendezvous address."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    init_method: str          # tcp://HOST:PORT, or env:// under torchrun
+    spawned: bool             # started by another kestrel process (dies with it)
+
+
+def torchrun_spec() -> RankSpec | None:
+    """This process's rank when torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_ADDR) started it."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return RankSpec(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "env://", False)
+
+
+def node_specs(layout: ParallelLayout, nnodes: int, node_rank: int, dist_init_addr: str | None) -> list[RankSpec]:
+    """The ranks this node runs (its first one is this process) when kestrel spawns them itself."""
+    world = layout.world_size
+    per_node = world // nnodes
+    addr = dist_init_addr or f"127.0.0.1:{_free_port()}"
+    first = node_rank * per_node
+    return [RankSpec(first + i, world, i, f"tcp://{addr}", i > 0) for i in range(per_node)]
+
+
+def this_process_spec(layout: ParallelLayout, args) -> tuple[RankSpec, list[RankSpec]]:
+    """(this process's rank, the ranks it must spawn), from torchrun's environment or the node flags of args."""
+    spec = torchrun_spec()
+    if spec is not None and layout.world_size > 1:
+        if spec.world_size != layout.world_size:
+            raise ValueError(f"torchrun started {spec.world_size} processes but the layout needs "
+                             f"{layout.world_size} (--tp-size); start one process per rank.")
+        return spec, []
+    specs = node_specs(layout, args.nnodes, args.node_rank, args.dist_init_addr)
+    return specs[0], specs[1:]
+
+
+def ranks_on_node(world_size: int, nnodes: int) -> int:
+    """How many ranks share this machine (torchrun's LOCAL_WORLD_SIZE when it set one)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size // nnodes))
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """The device of a rank: the CPU, or the CUDA device of its local rank."""
+    base = torch.device(device)
+    return base if base.type == "cpu" else torch.device(base.type, local_rank)
+
+
+def init_process_groups(spec: RankSpec, layout: ParallelLayout, device: torch.device,
+                        timeout_s: float = COLLECTIVE_TIMEOUT_S) -> tuple[Parallel, dist.ProcessGroup]:
+    """Join the instance: (the layers' Parallel over the TP group, the gloo group for step messages)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.world_size, rank=spec.rank,
+                            timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return Parallel(layout, dist.group.WORLD), control
+
+
+class Workers:
+    """The rank processes this process spawned: started together, watched, and stopped together."""
+
+    def __init__(self, target, specs: list[RankSpec], *args):
+        context = mp.get_context("spawn")
+        self.specs = specs
+        self.processes = [context.Process(target=_worker_entry, args=(target, spec, *args), daemon=True,
+                                          name=f"kestrel-rank-{spec.rank}") for spec in specs]
+        for process in self.processes:
+            process.start()
+
+    def failures(self) -> list[str]:
+        """'rank R exited with code C' for every rank process that is gone."""
+        return [f"rank {spec.rank} exited with code {p.exitcode}" for spec, p in zip(self.specs, self.processes)
+                if p.exitcode is not None]
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.processes]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wait up to timeout seconds for the ranks to exit, then SIGTERM and finally SIGKILL what is left."""
+        for p in self.processes:
+            p.join(timeout)
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _worker_entry(target, spec: RankSpec, *args) -> None:
+    """A spawned rank: dies with the process that spawned it, then runs target(spec, *args)."""
+    _die_with_parent()
+    target(spec, *args)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits, however the parent ends (no orphan ranks)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+    except OSError:     # not Linux: the parent's daemon-process cleanup still stops the ranks on a normal exit
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,117 @@
+"""Which rank does what: the rank layout of one model replica (TP, and EP over the TP ranks, SGLang's semantics).
+
+A replica runs on `world_size` ranks. Attention, dense MLPs, shared experts and the vocabulary are split
+`tp_size` ways. Routed experts are split over the same ranks in two directions: `ep_size` groups of whole experts
+(ep_size divides tp_size), and inside each group every expert's intermediate width is split
+`moe_tp_size = tp_size / ep_size` ways:
+
+    rank r: tp_rank = r, ep_rank = r // moe_tp_size, moe_tp_rank = r % moe_tp_size
+
+Data-parallel attention, decode context parallelism and pipeline stages are not implemented; `from_args`
+refuses them (their ranks would extend this layout, with the TP group as the innermost axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+MXFP4_BLOCK = 32
+"""Values per MXFP4 scale: a split of a packed expert's intermediate width falls on whole blocks."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The layout and this process's place in it."""
+
+    tp_size: int = 1
+    ep_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): expert parallelism "
+                             "runs over the tensor-parallel ranks.")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a layout of {self.world_size} ranks.")
+
+    @classmethod
+    def from_args(cls, args, rank: int = 0) -> ParallelLayout:
+        """The layout EngineArgs ask for; a ValueError for the parallelism kestrel does not implement yet."""
+        refused = [(args.dp_size > 1, "dp_size > 1"), (args.enable_dp_attention, "enable_dp_attention"),
+                   (args.dcp_size > 1, "dcp_size > 1"), (args.pp_size > 1, "pp_size > 1")]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"{what} is not supported yet; kestrel runs tensor and expert parallelism "
+                                 "(--tp-size, --ep-size).")
+        layout = cls(args.tp_size, args.ep_size, rank)
+        if layout.world_size % args.nnodes:
+            raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "
+                             "--tp-size a multiple of --nnodes.")
+        if args.nnodes > 1 and not args.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (where rank 0 listens).")
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def moe_tp_size(self) -> int:
+        return self.tp_size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank // self.moe_tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp_size
+
+    def axis(self, name: str) -> tuple[int, int]:
+        """(this rank's index, parts) along a sharding axis: "tp", "ep" or "moe_tp"."""
+        return {"tp": (self.tp_rank, self.tp_size), "ep": (self.ep_rank, self.ep_size),
+                "moe_tp": (self.moe_tp_rank, self.moe_tp_size)}[name]
+
+    def with_rank(self, rank: int) -> ParallelLayout:
+        return dataclasses.replace(self, rank=rank)
+
+    def check_model(self, config: ModelConfig) -> None:
+        """A ValueError naming every width of config that this layout cannot split."""
+        tp, problems = self.tp_size, []
+        heads = [("KDA heads", config.kda_num_heads if config.kda_layers else 0),
+                 ("attention heads", config.num_attention_heads if config.mla_layers else 0),
+                 ("indexer heads", config.index_n_heads if config.has_indexer else 0)]
+        problems += [f"{n} {what}" for what, n in heads if n % tp]
+        if config.num_experts and config.num_experts % self.ep_size:
+            problems.append(f"{config.num_experts} routed experts (by ep_size {self.ep_size})")
+        unit = MXFP4_BLOCK if config.experts_mxfp4 else 1
+        if config.num_experts and config.moe_intermediate_size // unit < self.moe_tp_size:
+            problems.append(f"the experts' intermediate width {config.moe_intermediate_size} into "
+                            f"{self.moe_tp_size} parts" + (" of whole MXFP4 blocks" if unit > 1 else ""))
+        for what, n in [("dense MLP width", config.intermediate_size if config.first_k_dense_replace else tp),
+                        ("vocabulary", config.vocab_size)]:
+            if n < tp:
+                problems.append(f"{what} {n}")
+        if problems:
+            raise ValueError(f"tp_size {tp} cannot split this model's {', '.join(problems)}; choose sizes that "
+                             "divide them.")
+
+    def cache_config(self, config: ModelConfig) -> ModelConfig:
+        """The config whose caches one rank holds: its KDA heads' state (MLA latents are replicated under TP)."""
+        return dataclasses.replace(config, kda_num_heads=config.kda_num_heads // self.tp_size)
+
+
+def partition(length: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+    """[lo, hi) of part `index` when `length` elements (whole units of `unit`) are split as evenly as possible."""
+    if length % unit:
+        raise ValueError(f"{length} elements do not split into units of {unit}.")
+    base, extra = divmod(length // unit, parts)
+    lo = index * base + min(index, extra)
+    return lo * unit, (lo + base + (index < extra)) * unit

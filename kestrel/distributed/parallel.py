@@ -1,0 +1,52 @@
+"""What the layers see of the distributed runtime: the rank layout and the tensor-parallel group's collectives.
+
+`SINGLE` is the one-process instance (every collective is the identity), so layers never branch on whether they
+run distributed. Collectives count the bytes each rank contributes, per kind, for the communication benchmark.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParallelLayout
+
+
+class Parallel:
+    """The layout and the TP group (None in one process)."""
+
+    def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None):
+        if layout.world_size > 1 and group is None:
+            raise ValueError("a layout of more than one rank needs its process group.")
+        self.layout = layout
+        self.group = group
+        self.bytes_sent: Counter[str] = Counter()
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the TP ranks (x contiguous, reduced in place and returned)."""
+        if self.group is None:
+            return x
+        self.bytes_sent["all_reduce"] += x.nbytes
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate along the last dim every rank's x [..., sizes[rank]] -> [..., sum(sizes)] (parts may differ
+        by size; they are padded to the largest for the collective)."""
+        if self.group is None:
+            return x
+        width = max(sizes)
+        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in sizes]
+        self.bytes_sent["all_gather"] += padded.nbytes
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+
+
+SINGLE = Parallel()

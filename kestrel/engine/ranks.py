@@ -1,0 +1,212 @@
+"""The ranks of one engine instance: each rank's model shard, memory plan (agreed by all ranks) and caches, rank 0's
+handle on the others, and the loop every other rank runs.
+
+Rank 0 owns the scheduler, tokenizer and server; the others only execute the steps rank 0 sends (model_runner.Step)
+on their shards. Every rank plans its pools from its own shard's bytes and its own device's memory; the ranks then
+take the smallest slot and page counts, so the pools are the same size everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.channel import StepChannel, agree_min
+from ..distributed.launch import (RankSpec, Workers, init_process_groups, rank_device, ranks_on_node,
+                                  this_process_spec, torchrun_spec)
+from ..distributed.layout import ParallelLayout
+from ..distributed.parallel import Parallel
+from ..layers.cache import HybridCache
+from ..layers.moe import RoutedExperts, hold_dense_experts
+from ..models.checkpoint import load_model
+from ..models.kimi import KimiForCausalLM
+from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
+from .cache.device_ops import DeviceOps
+from .cache.page_table import PageTable
+from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
+from .model_runner import ModelRunner
+
+log = logging.getLogger("kestrel")
+
+DEATH_NOTICE_S = 2.0
+"""After a collective fails, how long rank 0 waits for a dead rank's exit code, to name it in the error."""
+
+
+@dataclass
+class RankShard:
+    """One rank's model shard, its pools' plan (the same on every rank), its caches and page table."""
+
+    model: KimiForCausalLM
+    plan: MemoryPlan
+    cache: HybridCache
+    page_table: PageTable
+    graphs: bool               # decode by CUDA graphs (one rank only); the pools then hold one scratch slot and page
+
+
+def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
+               graphs: bool = False) -> RankShard:
+    """Load this rank's model shard, plan its pools and allocate them (all ranks call this together). With graphs
+    (decode by CUDA graphs), the pools get one scratch slot and page beyond the plan."""
+    args.apply_backends()
+    model = load_model(Path(args.model), None if args.dtype == "auto" else DTYPES[args.dtype], device, par)
+    config = model.config
+    if args.moe_mxfp8_activations:
+        _use_mxfp8_activations(model, args.model)
+    dense_experts = _hold_dense_experts(model, args, device)
+    dtype = model.lm_head.weight.dtype
+    ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
+    weights = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    cache_config = par.layout.cache_config(config)
+
+    memory = device_memory(device)
+    if device.type == "cpu":        # the ranks on one machine share its memory
+        memory //= ranks_on_node(par.layout.world_size, args.nnodes)
+
+    def plan(engine_args: EngineArgs) -> MemoryPlan:
+        return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
+                           ssm_dtype, kv_dtype)
+
+    memory_plan = plan(args)
+    prefix = f"rank {par.layout.rank}: " if control is not None else ""
+    log.info("%s%s", prefix, memory_plan.describe())
+    if control is not None:
+        slots, pages = agree_min([memory_plan.num_slots, memory_plan.num_pages], control)
+        memory_plan = plan(dataclasses.replace(args, max_mamba_cache_size=slots,
+                                               max_total_tokens=pages * args.page_size))
+        log.info("%spools agreed by all %d ranks (each takes the smallest): %d state slots, %d KV pages", prefix,
+                 par.layout.world_size, slots, pages)
+    scratch = 1 if graphs else 0      # a state slot and a page, beyond the pools, for graph batches' padding
+    slots, pages = memory_plan.num_slots, memory_plan.num_pages
+    try:
+        cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
+                                     dtype, ssm_dtype, kv_dtype, device)
+    except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
+        size = (memory_plan.state_pool_bytes + memory_plan.kv_pool_bytes) / 2**30
+        raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "
+                              "--mem-fraction-static, --max-total-tokens or --max-mamba-cache-size.") from e
+    max_pages = -(-memory_plan.context_length // memory_plan.page_size)
+    # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
+    page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
+    return RankShard(model, memory_plan, cache, page_table, graphs)
+
+
+def _use_mxfp8_activations(model: KimiForCausalLM, name: str) -> None:
+    """Round every routed expert's GEMM inputs to MXFP8 (blocks of 32 along both GEMMs' input widths)."""
+    config = model.config
+    widths = (config.expert_dim, config.moe_intermediate_size)
+    if not config.num_experts:
+        raise ValueError(f"--moe-mxfp8-activations needs routed experts, and {name} has none.")
+    if any(w % 32 for w in widths):
+        raise ValueError(f"--moe-mxfp8-activations needs expert widths that are multiples of 32, and "
+                         f"{name}'s are {widths}.")
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.mxfp8_activations = True
+
+
+def _hold_dense_experts(model: KimiForCausalLM, args: EngineArgs, device: torch.device) -> int:
+    """--moe-dense-experts: a dense copy of the MXFP4 routed experts for the CPU's in-place MoE (about 2x faster
+    experts for 2 or 4 bytes per weight, docs/benchmarks.md moe-cpu); returns the bytes the copy takes."""
+    if args.moe_dense_experts == "none":
+        return 0
+    mxfp4 = model.config.experts_mxfp4
+    if device.type != "cpu" or not mxfp4:
+        raise ValueError(f"--moe-dense-experts is for MXFP4 experts on the CPU, and {args.model} on "
+                         f"{device.type} has {'MXFP4' if mxfp4 else 'dense'} experts.")
+    return hold_dense_experts(model, DTYPES[args.moe_dense_experts])
+
+
+class Ranks:
+    """Rank 0's side of a distributed instance: the layers' Parallel, the step channel, the ranks it spawned."""
+
+    def __init__(self, args: EngineArgs, layout: ParallelLayout):
+        spec, others = this_process_spec(layout, args)
+        if spec.rank != 0:
+            raise ValueError(f"this process is rank {spec.rank}; only rank 0 runs the engine (start the other "
+                             "ranks with `kestrel serve`, which runs them as workers).")
+        self.workers = Workers(run_rank, others, args) if others else None
+        self.device = rank_device(args.device, spec.local_rank)
+        try:
+            self.par, self.control = init_process_groups(spec, layout, self.device)
+        except BaseException:
+            self.stop()
+            raise
+        self.channel = StepChannel(self.control)
+
+    def send(self, step) -> None:
+        """Hand a model_runner.Step to every other rank."""
+        self.channel.send(step)
+
+    def explain(self, error: BaseException) -> str:
+        """What failed: the ranks that died (waiting briefly for their exit), else the error itself."""
+        if self.workers is not None:
+            wait(self.workers.sentinels, DEATH_NOTICE_S)
+            dead = self.workers.failures()
+            if dead:
+                return "; ".join(dead) + " (its log says why)"
+        return f"{type(error).__name__}: {error}"
+
+    def stop(self) -> None:
+        """Tell the other ranks to exit (if they still listen) and wait for the ones this process spawned."""
+        if dist.is_initialized():
+            try:
+                if self.workers is None or not self.workers.failures():
+                    self.channel.send(None)
+            except Exception:      # a rank is gone: the others see its connection close and exit on their own
+                pass
+            dist.destroy_process_group()
+        if self.workers is not None:
+            self.workers.stop()
+
+
+def run_rank(spec: RankSpec, args: EngineArgs) -> None:
+    """A rank other than 0: join the instance, load its shard, then execute rank 0's steps until told to stop.
+    Any failure is logged and ends the process with code 1 (rank 0 then sees its connection close)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format=f"[rank {spec.rank}] %(message)s")
+    try:
+        layout = ParallelLayout.from_args(args, spec.rank)
+        device = rank_device(args.device, spec.local_rank)
+        if device.type == "cpu" and spec.spawned:      # a fair share of the cores (rank 0 keeps its setting)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node(spec.world_size, args.nnodes)))
+        par, control = init_process_groups(spec, layout, device)
+        shard = load_shard(args, par, device, control)
+        runner = ModelRunner(shard.model, shard.cache, shard.page_table, DeviceOps())
+        channel = StepChannel(control)
+        while (step := channel.receive()) is not None:
+            runner.execute(step)
+        dist.destroy_process_group()
+    except BaseException:
+        log.exception("rank %d failed", spec.rank)
+        logging.shutdown()
+        os._exit(1)
+
+
+def run_node(args: EngineArgs) -> int:
+    """A node's ranks when rank 0 is elsewhere (torchrun's other ranks, or --node-rank > 0): spawn this node's
+    other ranks, run the first one here until rank 0 stops the instance; the exit code (0, or 1 on failure)."""
+    layout = ParallelLayout.from_args(args)
+    spec, others = this_process_spec(layout, args)
+    workers = Workers(run_rank, others, args) if others else None
+    try:
+        run_rank(spec, args)
+    finally:
+        if workers is not None:
+            workers.stop()
+    return 1 if workers is not None and any(p.exitcode for p in workers.processes) else 0
+
+
+def is_rank_zero(args: EngineArgs) -> bool:
+    """Whether this process is rank 0 of its instance (runs the engine) rather than a worker rank."""
+    spec = torchrun_spec()
+    if spec is not None and ParallelLayout.from_args(args).world_size > 1:
+        return spec.rank == 0
+    return args.node_rank == 0

@@ -280,3 +280,14 @@ def test_json_mode_on_a_cached_prompt(model_dir):
         {"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     llm = warm_llm(model_dir)
     assert [cached(llm, ids, params) for _ in range(2)] == [(cold_answer, 0), (cold_answer, 19)]
+
+
+def test_reset_empties_the_cache_without_filling_the_store(model_dir, cold):
+    ids = prompt(72, 18)
+    llm = warm_llm(model_dir, enable_hierarchical_cache=True)
+    cached(llm, ids)
+    cache = llm.engine.scheduler.prefix_cache
+    cache.reset()
+    assert cache.num_pages == 0 and not cache.snapshots and len(cache.store.host) == 0
+    assert_idle(llm.engine.scheduler)
+    assert cached(llm, ids) == (cold(ids), 0)

@@ -220,10 +220,12 @@ class PrefixCache:
         return self.kv_pool.num_free - before
 
     def reset(self) -> None:
-        """Drop everything the tree holds (nothing may be running)."""
+        """Drop everything the tree holds, without saving it to HiCache's store (nothing may be running)."""
+        store, self.store = self.store, None
         for snap in list(self._snapshots.values()):
             self._drop_snapshot(snap)
         self.reclaim_pages(self._num_nodes)
+        self.store = store
 
     def nodes(self):
         """Every node but the root."""

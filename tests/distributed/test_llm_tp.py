@@ -1,0 +1,52 @@
+"""kestrel.LLM with tp_size=2 (one spawned rank process, gloo): greedy tokens equal one process's; a rank that dies
+fails the requests with an error naming it, every later step fails at once, and no process is left."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from kestrel import LLM
+from kestrel.engine.args import BUNDLED_MODEL
+from kestrel.engine.sampling import SamplingParams
+
+PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17)]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ARGS = dict(dtype="float32", chunked_prefill_size=16, max_total_tokens=4096, max_mamba_cache_size=8)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_tp2_greedy_tokens_equal_one_process():
+    """The bundled model (its MXFP4 experts' 96-wide intermediate split 64 + 32 at TP2), mixed-length prompts
+    with chunked prefill, then decode."""
+    expected = tokens(LLM(str(BUNDLED_MODEL), **ARGS))
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, **ARGS)
+    try:
+        assert tokens(llm) == expected
+        assert llm.engine.scheduler.state_pool.num_slots == 8
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_killed_rank_fails_requests_and_leaves_no_process():
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, **ARGS)
+    worker = llm.engine.ranks.workers.processes[0]
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        for _ in range(2):                          # the step that finds the rank gone, then every later one
+            outputs = llm.generate(PROMPTS[:1], GREEDY)
+            assert outputs[0].outputs[0].finish_reason == "error"
+            assert "rank 1 exited with code -9" in outputs[0].outputs[0].stop_reason
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker.pid, 0)

@@ -1,0 +1,77 @@
+"""The rank layout's checks and the sharding rules, without processes: what is refused, and that the ranks' slices
+tile every split tensor and count the bytes a rank really holds."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kestrel import LLM
+from kestrel.config import parse_config
+from kestrel.distributed.layout import ParallelLayout, partition
+from kestrel.distributed.sharding import RULES, local_slices, shard_bytes, shard_model_
+from kestrel.engine.args import BUNDLED_MODEL
+from kestrel.models.checkpoint import build_model
+from kestrel.models.presets import tiny_config
+
+LAYOUTS = [(2, 1), (2, 2)]
+
+
+def meta_model(preset: str, **overrides):
+    raw = tiny_config(preset)
+    raw.get("text_config", raw).update(overrides)
+    return build_model(parse_config(raw), device="meta")
+
+
+def test_every_rule_names_a_tensor_of_the_family():
+    names = [n for preset in ("k3.1-tiny", "kimi-linear-tiny") for n in meta_model(preset).state_dict()]
+    unused = [pattern for pattern, _ in RULES if not any(re.search(pattern, n) for n in names)]
+    assert not unused
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS)
+@pytest.mark.parametrize("preset", ["k3.1-tiny", "kimi-linear-tiny"])
+def test_ranks_slices_tile_every_tensor(preset, tp, ep):
+    """Along each split dim the ranks' ranges are disjoint and cover it; other dims are whole on every rank."""
+    model = meta_model(preset, moe_intermediate_size=64)
+    for name, tensor in model.state_dict().items():
+        per_rank = [local_slices(name, tuple(tensor.shape), ParallelLayout(tp, ep, r)) for r in range(tp)]
+        for dim, size in enumerate(tensor.shape):
+            ranges = {(s[dim].start or 0, size if s[dim].stop is None else s[dim].stop) for s in per_rank}
+            covered = sorted(i for lo, hi in ranges for i in range(lo, hi))
+            assert covered == list(range(size)), (name, dim, ranges)
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS)
+def test_shard_bytes_count_what_a_rank_holds(tp, ep):
+    full = meta_model("k3.1-tiny", moe_intermediate_size=64)
+    for rank in range(tp):
+        layout = ParallelLayout(tp, ep, rank)
+        held = shard_model_(meta_model("k3.1-tiny", moe_intermediate_size=64), layout)
+        assert shard_bytes(full, layout) == sum(t.nbytes for t in held.state_dict().values())   # nothing tied
+
+
+def test_partition_keeps_whole_units():
+    assert [partition(96, 2, r, 32) for r in range(2)] == [(0, 64), (64, 96)]
+    assert [partition(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def test_layouts_kestrel_cannot_run_are_refused():
+    config = parse_config(tiny_config("k3.1-tiny"))            # 32-wide MXFP4 experts: one block
+    with pytest.raises(ValueError, match="intermediate width 32 into 2 parts of whole MXFP4 blocks"):
+        ParallelLayout(2, 1).check_model(config)
+    ParallelLayout(2, 2).check_model(config)                    # whole experts per rank instead
+    with pytest.raises(ValueError, match="2 KDA heads"):
+        ParallelLayout(4, 4).check_model(config)
+    with pytest.raises(ValueError, match="ep_size .3. must divide tp_size .2."):
+        ParallelLayout(2, 3)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("dp_size", 2, "dp_size > 1 is not supported yet"), ("enable_dp_attention", True, "enable_dp_attention is not"),
+    ("dcp_size", 2, "dcp_size > 1 is not supported yet"), ("pp_size", 2, "pp_size > 1 is not supported yet"),
+    ("nnodes", 2, "needs --dist-init-addr")])
+def test_engine_refuses_parallelism_it_does_not_implement(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(BUNDLED_MODEL), tp_size=2, **{field: value})

@@ -1,0 +1,73 @@
+"""Logits of tensor- and expert-parallel ranks (gloo, 2 processes) equal the single-process model's (float32).
+
+One spawned group per module runs every case: K3.1-tiny (indexer, AttnRes, latent MXFP4 MoE, MTP) and a
+Kimi-Linear-shaped model, at TP2 (experts split by intermediate width) and TP2 with EP2 (experts split by expert),
+through the scripted steps of tp_script.py: mixed-length chunked prefill, decode, and a fork whose state slot and
+page are copied by the DeviceOps journal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.config import parse_config
+from kestrel.distributed.launch import RankSpec, Workers
+from kestrel.models.checkpoint import build_model, load_model, save_model
+from kestrel.models.init import init_weights
+from kestrel.models.presets import tiny_config
+from tp_script import FORK_AT, SEQUENCES, mtp_logits, oracle, rank_main
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+"""float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
+absolute; dropping the indexer's score reduction moves logits by 2.1)."""
+MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXFP4 blocks: one per rank at TP2
+          "kimi-linear": ("kimi-linear-tiny", {})}
+CASES = [("k3.1", 2, 1), ("k3.1", 2, 2), ("kimi-linear", 2, 1), ("kimi-linear", 2, 2)]
+RANK_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for name, (preset, overrides) in MODELS.items():
+        raw = tiny_config(preset)
+        raw.get("text_config", raw).update(overrides)
+        model = init_weights(build_model(parse_config(raw), torch.float32), seed=1, std=0.1)
+        for param_name, p in model.named_parameters():     # a router bias that steers selection
+            if param_name.endswith("e_score_correction_bias"):
+                p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+        folder = tmp_path_factory.mktemp(name)
+        save_model(model, folder, config_json=raw)
+        out[name] = str(folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_results(folders, tmp_path_factory) -> dict:
+    """Every case's logits from rank 0 of one spawned 2-rank group."""
+    out = tmp_path_factory.mktemp("ranks") / "logits.pt"
+    cases = [(f"{model}-tp{tp}-ep{ep}", folders[model], tp, ep) for model, tp, ep in CASES]
+    port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
+    specs = [RankSpec(r, 2, r, f"tcp://127.0.0.1:{port}", True) for r in range(2)]
+    workers = Workers(rank_main, specs, cases, str(out))
+    try:
+        for p in workers.processes:
+            p.join(RANK_TIMEOUT_S)
+        assert [p.exitcode for p in workers.processes] == [0, 0], workers.failures()
+    finally:
+        workers.stop(timeout=0)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("model,tp,ep", CASES)
+def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep):
+    single = load_model(folders[model], torch.float32)
+    expected = oracle(single)
+    got = rank_results[f"{model}-tp{tp}-ep{ep}"]
+    for name in SEQUENCES:
+        first = FORK_AT if name == "D" else 0          # the fork's own tokens (its prompt is B's)
+        torch.testing.assert_close(got[name], expected[name][first:], **TOLERANCE,
+                                   msg=lambda m, name=name: f"sequence {name}: {m}")
+    if single.config.num_nextn_predict_layers:
+        torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)

@@ -1,0 +1,104 @@
+"""The distributed tests' scripted run: four sequences through five steps of a ModelRunner, as the engine would
+send them (chunked prefill of a 30-token prompt, a 6-token and a 1-token prompt, then decode; a fork that copies a
+state slot and a partial page through the DeviceOps journal and shares a full page), on any rank's model shard.
+
+Every step asks for logits at every position; the oracle is one plain forward (no cache) of each whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.distributed.layout import ParallelLayout
+from kestrel.engine.cache.page_table import PageTable
+from kestrel.engine.model_runner import ModelRunner, Step
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.cache import HybridCache
+from kestrel.models.kimi import KimiForCausalLM
+
+PAGE, ROW = 4, 8                       # tokens per page; pages per page-table row (slot s owns pages 8s..8s+7)
+_gen = torch.Generator().manual_seed(0)
+A, B, C = (torch.randint(3, 250, (n,), generator=_gen).tolist() for n in (32, 10, 4))
+FORK_AT = 6
+D = B[:FORK_AT] + torch.randint(3, 250, (4,), generator=_gen).tolist()   # forks from B after B's 6-token prompt
+SEQUENCES = {"A": A, "B": B, "C": C, "D": D}
+SLOTS = {"A": 0, "B": 1, "C": 2, "D": 3}
+# per step: (name, start, length) of each chunk
+CHUNKS = [[("A", 0, 11), ("B", 0, 6)],
+          [("A", 11, 14), ("B", 6, 1), ("C", 0, 1), ("D", 6, 1)],
+          [("A", 25, 5), ("B", 7, 1), ("C", 1, 1), ("D", 7, 1)],
+          [("A", 30, 1), ("B", 8, 1), ("C", 2, 1), ("D", 8, 1)],
+          [("A", 31, 1), ("B", 9, 1), ("C", 3, 1), ("D", 9, 1)]]
+
+
+def _row(slot: int, pages: list[int]) -> list[int]:
+    return [x for column, page in enumerate(pages) for x in (slot, column, page)]
+
+
+def steps() -> list[Step]:
+    own = {name: [ROW * slot + i for i in range(ROW)] for name, slot in SLOTS.items()}
+    table = {1: _row(0, own["A"]) + _row(1, own["B"]) + _row(2, own["C"]),
+             # D shares B's full first page and gets a copy of B's half-full second page
+             2: _row(3, [own["B"][0], own["D"][1]] + own["D"][2:])}
+    ops = {2: [("slots", [SLOTS["B"]], [SLOTS["D"]]), ("pages", [own["B"][1]], [own["D"][1]])]}
+    out = []
+    for i, chunks in enumerate(CHUNKS, 1):
+        width = max(-(-(start + length) // PAGE) for _, start, length in chunks)
+        out.append(Step(ops.get(i, []), table.get(i, []),
+                        [t for name, start, length in chunks for t in SEQUENCES[name][start:start + length]],
+                        [c[1] for c in chunks], [c[2] for c in chunks], [SLOTS[c[0]] for c in chunks], width,
+                        list(range(len(chunks))), []))
+    return out
+
+
+def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> dict[str, torch.Tensor]:
+    """Each sequence's logits [len, vocab] at every position, from the scripted steps on this rank's shard."""
+    cache = HybridCache.allocate(layout.cache_config(model.config), len(SLOTS), len(SLOTS) * ROW, PAGE,
+                                 torch.float32, device="cpu")
+    runner = ModelRunner(model, cache, PageTable(len(SLOTS), ROW, 0, "cpu"), None)
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in SEQUENCES}
+    for step, chunks in zip(steps(), CHUNKS):
+        for (name, _, _), logits in zip(chunks, runner.execute(step)):
+            rows[name].append(logits)
+    return {name: torch.cat(parts) for name, parts in rows.items()}
+
+
+@torch.inference_mode()
+def mtp_logits(model: KimiForCausalLM) -> torch.Tensor:
+    """The MTP layer's draft logits along A (plain forward)."""
+    batch = ForwardBatch.build([len(A) - 1])
+    ids = torch.tensor(A)
+    return model.mtp_logits(model(ids[:-1], batch), ids[1:], batch)
+
+
+@torch.inference_mode()
+def oracle(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
+    """Each whole sequence's logits from one plain forward of the single-process model."""
+    out = {}
+    for name, ids in SEQUENCES.items():
+        hidden = model(torch.tensor(ids), ForwardBatch.build([len(ids)]))
+        out[name] = model.compute_logits(hidden)
+    return out
+
+
+def rank_main(spec, cases: list[tuple[str, str, int, int]], out: str) -> None:
+    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size), this rank's shard runs
+    the script (and the MTP layer); rank 0 saves every case's logits to out."""
+    import torch.distributed as dist
+
+    from kestrel.distributed.launch import init_process_groups
+    from kestrel.distributed.parallel import Parallel
+    from kestrel.models.checkpoint import load_model
+
+    torch.set_num_threads(1)
+    init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"), timeout_s=120)
+    results = {}
+    for name, folder, tp, ep in cases:
+        layout = ParallelLayout(tp, ep, spec.rank)
+        model = load_model(folder, torch.float32, "cpu", Parallel(layout, dist.group.WORLD))
+        results[name] = run_script(model, layout)
+        if model.config.num_nextn_predict_layers:
+            results[name]["mtp"] = mtp_logits(model)
+    if spec.rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()

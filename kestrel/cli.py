@@ -21,6 +21,7 @@ from .config import load_config, parse_config
 from .cookbook.cli import add_commands as add_cookbook_commands
 from .engine.args import BUNDLED_MODEL, EngineArgs
 from .engine.llm import LLM
+from .engine.ranks import is_rank_zero, run_node
 from .engine.sampling import SamplingParams
 from .models.checkpoint import build_model, load_model, save_model
 from .models.init import init_weights
@@ -89,11 +90,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli(args)
+    if not is_rank_zero(engine_args):      # another node's ranks, or torchrun's: they serve rank 0's steps
+        return run_node(engine_args)
     name = args.served_model_name
     if name is None:
         name = BUNDLED_MODEL.name if Path(args.model) == BUNDLED_MODEL else args.model
-    serve(EngineArgs.from_cli(args), ServerOptions.from_cli(args, name), args.host, args.port)
-    return 0
+    return serve(engine_args, ServerOptions.from_cli(args, name), args.host, args.port)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -212,7 +215,10 @@ def _generate(args: argparse.Namespace) -> int:
         prompts = [{"prompt": args.prompt}]
     else:
         prompts = [{"prompt_token_ids": _int_list(args.prompt_ids, "--prompt-ids")}]
-    llm = LLM(**vars(EngineArgs.from_cli(args)))
+    engine_args = EngineArgs.from_cli(args)
+    if not is_rank_zero(engine_args):
+        return run_node(engine_args)
+    llm = LLM(**vars(engine_args))
     results = llm.generate(prompts, params, use_tqdm=args.input is not None)
     if args.input is None:
         for completion in results[0].outputs:

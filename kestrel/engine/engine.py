@@ -89,7 +89,14 @@ class LLMEngine:
         """Stop the other ranks of a distributed instance (nothing to do in one process)."""
         if self.ranks is not None:
             self.ranks.stop()
-            self.ranks = None
+
+    def rank_failure(self) -> str | None:
+        """Why a distributed instance can run no more steps (a step failed, or a rank this process spawned
+        exited); None while it can."""
+        if self.runner.failure is not None or self.ranks is None:
+            return self.runner.failure
+        dead = self.ranks.dead()
+        return f"the distributed instance stopped: {dead}" if dead else None
 
     @property
     def context_length(self) -> int:

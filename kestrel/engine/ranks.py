@@ -133,6 +133,7 @@ class Ranks:
             raise ValueError(f"this process is rank {spec.rank}; only rank 0 runs the engine (start the other "
                              "ranks with `kestrel serve`, which runs them as workers).")
         self.workers = Workers(run_rank, others, args) if others else None
+        self.stopped = False
         self.device = rank_device(args.device, spec.local_rank)
         try:
             self.par, self.control = init_process_groups(spec, layout, self.device)
@@ -145,6 +146,12 @@ class Ranks:
         """Hand a model_runner.Step to every other rank."""
         self.channel.send(step)
 
+    def dead(self) -> str | None:
+        """Which ranks this process spawned have exited, if any, while the instance was meant to run."""
+        if self.workers is None or self.stopped:
+            return None
+        return "; ".join(self.workers.failures()) or None
+
     def explain(self, error: BaseException) -> str:
         """What failed: the ranks that died (waiting briefly for their exit), else the error itself."""
         if self.workers is not None:
@@ -156,6 +163,9 @@ class Ranks:
 
     def stop(self) -> None:
         """Tell the other ranks to exit (if they still listen) and wait for the ones this process spawned."""
+        if self.stopped:
+            return
+        self.stopped = True
         if dist.is_initialized():
             try:
                 if self.workers is None or not self.workers.failures():

@@ -22,6 +22,8 @@ from .options import ServerOptions
 log = logging.getLogger("kestrel")
 ABORT_GRACE_S = 5.0
 """How long aborted requests get, after the shutdown deadline, to send their last chunk."""
+RANK_POLL_S = 0.5
+"""How often a distributed instance's server checks that its ranks are alive."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -58,12 +60,29 @@ def _wait_until_idle(engine: AsyncEngine, timeout: float) -> bool:
     return True
 
 
-def serve(engine_args: EngineArgs, options: ServerOptions, host: str, port: int) -> None:
-    engine = AsyncEngine(LLMEngine(engine_args))
+def serve(engine_args: EngineArgs, options: ServerOptions, host: str, port: int) -> int:
+    """Serve until a signal stops the server (exit code 0) or a rank of a distributed instance fails (1)."""
+    llm_engine = LLMEngine(engine_args)
+    engine = AsyncEngine(llm_engine)
     app = create_app(engine, options)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.kestrel)
+    if llm_engine.ranks is not None:
+        threading.Thread(target=_stop_when_a_rank_fails, args=(llm_engine, server), daemon=True).start()
     try:
         server.run()
     finally:
         engine.shutdown()
+        llm_engine.shutdown()
+    return 1 if llm_engine.rank_failure() else 0
+
+
+def _stop_when_a_rank_fails(engine: LLMEngine, server: uvicorn.Server) -> None:
+    """Stop the server (no draining: no step can run) once a rank has failed, even while it is idle."""
+    while not server.should_exit:
+        failure = engine.rank_failure()
+        if failure:
+            log.error("%s; stopping the server", failure)
+            server.should_exit = True
+            return
+        time.sleep(RANK_POLL_S)

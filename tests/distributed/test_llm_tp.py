@@ -22,29 +22,22 @@ def tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_tp2_greedy_tokens_equal_one_process():
+def test_tp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests():
     """The bundled model (its MXFP4 experts' 96-wide intermediate split 64 + 32 at TP2), mixed-length prompts
-    with chunked prefill, then decode."""
+    with chunked prefill, then decode; then SIGKILL the spawned rank (one group for both, to keep the suite short)."""
     expected = tokens(LLM(str(BUNDLED_MODEL), **ARGS))
-    llm = LLM(str(BUNDLED_MODEL), tp_size=2, **ARGS)
-    try:
-        assert tokens(llm) == expected
-        assert llm.engine.scheduler.state_pool.num_slots == 8
-    finally:
-        llm.engine.shutdown()
-    assert not multiprocessing.active_children()
-
-
-def test_killed_rank_fails_requests_and_leaves_no_process():
     llm = LLM(str(BUNDLED_MODEL), tp_size=2, **ARGS)
     worker = llm.engine.ranks.workers.processes[0]
     try:
+        assert tokens(llm) == expected
+        assert llm.engine.scheduler.state_pool.num_slots == 8
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(30)
         for _ in range(2):                          # the step that finds the rank gone, then every later one
             outputs = llm.generate(PROMPTS[:1], GREEDY)
             assert outputs[0].outputs[0].finish_reason == "error"
             assert "rank 1 exited with code -9" in outputs[0].outputs[0].stop_reason
+        assert "rank 1 exited with code -9" in llm.engine.rank_failure()
     finally:
         llm.engine.shutdown()
     assert not multiprocessing.active_children()

@@ -219,7 +219,10 @@ def _generate(args: argparse.Namespace) -> int:
     if not is_rank_zero(engine_args):
         return run_node(engine_args)
     llm = LLM(**vars(engine_args))
-    results = llm.generate(prompts, params, use_tqdm=args.input is not None)
+    try:
+        results = llm.generate(prompts, params, use_tqdm=args.input is not None)
+    finally:
+        llm.engine.shutdown()          # the other ranks of a distributed instance exit with this one
     if args.input is None:
         for completion in results[0].outputs:
             text = completion.text if llm.engine.tokenizer is not None else ",".join(map(str, completion.token_ids))

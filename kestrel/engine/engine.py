@@ -29,6 +29,9 @@ from .request import Request, Sequence, Status
 from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs, model_sampling_defaults,
                        new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
+from .spec import ngram
+from .spec.stats import SpecStats
+from .spec.verify import verify
 from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -83,6 +86,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._compiling: dict[str, Future] = {}     # request id -> its grammar, compiling
         self._finished_on_arrival: list[Request] = []    # prefilled requests whose first token ended them
+        self.spec_stats = SpecStats(args.speculative_num_draft_tokens)
         torch.manual_seed(args.random_seed)
 
     def shutdown(self) -> None:
@@ -225,23 +229,44 @@ class LLMEngine:
         self._finished_on_arrival = []
         for request in rejected:
             self.requests.pop(request.request_id, None)
+        if self.args.speculative_algorithm != "none":
+            self._propose_drafts()
         chunks = self.scheduler.schedule()
         self.stalled = not chunks and not self._compiling
         if not chunks:
             if self._compiling:
                 wait(self._compiling.values(), COMPILE_POLL_S, FIRST_COMPLETED)
             return [request.output() for request in rejected]
-        all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
-        try:
-            logits = self.runner.run(chunks, all_rows)
-        except Exception as e:   # the step's requests may hold half-written caches: they fail, the others go on
-            log.exception("a model step failed")
-            failed = {id(c.seq.request): c.seq.request for c in chunks}.values()
-            for request in failed:
-                self._fail(request, f"the model failed on a batch holding this request: {type(e).__name__}: {e}")
-                self.requests.pop(request.request_id, None)
-            return [request.output() for request in [*rejected, *failed]]
         touched: dict[str, Request] = {r.request_id: r for r in rejected}
+        plain, verifying = [c for c in chunks if not c.draft], [c for c in chunks if c.draft]
+        if plain:
+            self._run_plain(plain, touched)
+        if verifying:
+            self._run_verify(verifying, touched)
+        for request_id, request in touched.items():
+            if request.finished:
+                self.requests.pop(request_id, None)
+        return [request.output() for request in touched.values()]
+
+    def _forward(self, chunks: list[ScheduledChunk], all_rows: set[int], touched: dict[str, Request],
+                 verify: bool = False) -> list[torch.Tensor | None] | None:
+        """The runner's logits for chunks, or None after a failure, which fails the chunks' requests only (they
+        may hold half-written caches)."""
+        try:
+            return self.runner.run(chunks, all_rows, verify)
+        except Exception as e:
+            log.exception("a model step failed")
+            for request in {id(c.seq.request): c.seq.request for c in chunks}.values():
+                self._fail(request, f"the model failed on a batch holding this request: {type(e).__name__}: {e}")
+                touched[request.request_id] = request
+            return None
+
+    def _run_plain(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> None:
+        """Prefill chunks and one-token decode steps: compute, then sample where a chunk reaches its end."""
+        all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
+        logits = self._forward(chunks, all_rows, touched)
+        if logits is None:
+            return
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
             chunk.seq.num_computed += chunk.length
@@ -254,10 +279,54 @@ class LLMEngine:
                 touched[chunk.seq.request.request_id] = chunk.seq.request
         if to_sample:
             self._sample_and_append(to_sample)
-        for request_id, request in touched.items():
-            if request.finished:
-                self.requests.pop(request_id, None)
-        return [request.output() for request in touched.values()]
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every sequence past its first output token that may speculate (not with structured
+        outputs), at most as many as its max_tokens and the context leave room for."""
+        k = self.args.speculative_num_draft_tokens
+        for seq in self.scheduler.running:
+            params, n = seq.request.params, seq.num_tokens
+            if seq.status is not Status.RUNNING or seq.num_computed != n - 1 or not seq.output_ids \
+                    or seq.matcher is not None:
+                continue
+            room = min(k, self.context_length - n)
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - len(seq.output_ids) - 1)
+            seq.draft = tuple(ngram.propose(seq.tokens(max(n - ngram.WINDOW, 0), n), room))
+
+    def _run_verify(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> None:
+        """Verify every chunk's draft in one forward, then per sequence: emit the accepted tokens, commit the KDA
+        state after the last token computed and accepted, release the pages past it."""
+        logits = self._forward(chunks, set(range(len(chunks))), touched, verify=True)
+        if logits is None:
+            return
+        first = 0
+        for chunk, chunk_logits in zip(chunks, logits):
+            seq, draft = chunk.seq, list(chunk.draft)
+            touched[seq.request.request_id] = seq.request
+            start, first = first, first + chunk.length
+            if not torch.isfinite(chunk_logits).all():
+                self._fail(seq.request, "the model produced NaN or infinite logits for this request.")
+                continue
+            try:
+                tokens = verify(chunk_logits, draft, self._sampling_row(seq))
+                accepted = len(tokens) - 1
+                self.spec_stats.record(len(draft), accepted)
+                seq.num_computed += 1 + accepted
+                self.runner.ops.keep_token_states([start + accepted], [seq.slot])
+                raw = raw_logprobs(chunk_logits[:len(tokens)])
+                num_top = seq.request.params.logprobs or 0
+                for i, token in enumerate(tokens):
+                    if seq.status is Status.FINISHED:
+                        break
+                    self._append(seq, token, gather_logprobs(raw[i:i + 1], torch.tensor([token]), num_top), 0)
+            except Exception as e:
+                log.exception("request %s failed", seq.request.request_id)
+                self._fail(seq.request, f"{type(e).__name__}: {e}")
+                continue
+            if seq.status is Status.RUNNING:
+                self.scheduler.release_beyond(seq)
+                self.scheduler.record_progress(seq)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -34,6 +34,7 @@ class Step:
     width: int                 # page-table columns the batch reads
     all_rows: list[int]        # chunks that need logits at every position
     samples: list[int]         # chunks that need logits at their last position
+    verify: bool = False       # a speculative verification: KDA keeps every token's state (ForwardBatch)
 
 
 class RankFailure(RuntimeError):
@@ -69,16 +70,17 @@ class ModelRunner:
         self.failure: str | None = None
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], all_rows: set[int]) -> list[torch.Tensor | None]:
+    def run(self, chunks: list[ScheduledChunk], all_rows: set[int], verify: bool = False) -> list[torch.Tensor | None]:
         """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
-        every position), [1, vocab] at the last token for chunks that sample, None for the rest."""
+        every position), [1, vocab] at the last token for chunks that sample, None for the rest. verify: the
+        chunks are speculative verifications (see Step)."""
         if self.failure is not None:
             raise RankFailure(self.failure)
         step = Step(self.ops.take(), self.page_table.take(),
-                    [t for c in chunks for t in c.seq.tokens(c.start, c.start + c.length)],
+                    [t for c in chunks for t in c.token_ids()],
                     [c.start for c in chunks], [c.length for c in chunks], [c.seq.slot for c in chunks],
                     max(len(c.seq.pages) for c in chunks), sorted(all_rows),
-                    [i for i, c in enumerate(chunks) if c.samples])
+                    [i for i, c in enumerate(chunks) if c.samples], verify)
         graphs = self.decode_graphs
         if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)
                 and graphs.fits(len(chunks), step.width)):
@@ -100,7 +102,7 @@ class ModelRunner:
         self._apply_changes(step)
         slots = torch.tensor(step.slots, device=self.device)
         batch = ForwardBatch.build(step.lengths, step.starts, slots, self.page_table.gather(slots, step.width),
-                                   self.cache.page_size, self.device)
+                                   self.cache.page_size, self.device, keep_token_states=step.verify)
         hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         ends = batch.cu_seqlens[1:].tolist()
         all_rows = set(step.all_rows)
@@ -117,4 +119,6 @@ class ModelRunner:
 
     def _apply_changes(self, step: Step) -> None:
         apply_ops(self.cache, step.ops)
+        for state in self.cache.kda:        # the last verification's states are committed: drop the rest
+            state.token_states = None
         self.page_table.apply(step.table)

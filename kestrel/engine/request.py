@@ -76,6 +76,7 @@ class Sequence:
     cached_pages: int = 0                 # its first cached_pages pages are in the tree
     last_snapshot: int = 0                # tokens computed at its last state snapshot
     prefilled: Handoff | None = None      # PD decode side: the prompt's state, loaded when it is admitted
+    draft: tuple[int, ...] = ()           # speculative tokens proposed for its next step
 
     @property
     def num_tokens(self) -> int:

@@ -31,15 +31,20 @@ from .request import Sequence, Status
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute tokens start..start+length-1 of seq; when they reach its last token, sample the next one."""
+    """Compute tokens start..start+length-1 of seq; when they reach its last token, sample the next one. A
+    speculating sequence's chunk is its last token then its draft tokens, to verify."""
 
     seq: Sequence
     start: int
     length: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        return self.start + self.length == self.seq.num_tokens
+        return self.start + self.length - len(self.draft) == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.seq.tokens(self.start, self.start + self.length - len(self.draft)) + list(self.draft)
 
 
 class Scheduler:
@@ -72,7 +77,9 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Drop seq from the queues and give back everything it holds (a completed sequence's state is cached
         first)."""
-        if seq.finish_reason in ("stop", "length") and seq.cache_node is not None:
+        if seq.finish_reason in ("stop", "length") and seq.cache_node is not None \
+                and seq.num_computed == seq.num_tokens - 1:       # (not when it stopped inside a verified draft)
+            self._insert_pages(seq)
             self._snapshot(seq)
         if seq in self.running:
             self.running.remove(seq)
@@ -90,9 +97,10 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             length = self._chunk_length(seq, budget)
-            if not self._grow(seq, length, protected=scheduled):
+            draft, seq.draft = seq.draft[:budget - length], ()
+            if not self._grow(seq, length + len(draft), protected=scheduled):
                 continue
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
             scheduled.add(seq)
             budget -= length
         self.waiting.sort(key=lambda s: s.priority_key)
@@ -110,6 +118,15 @@ class Scheduler:
         and its state too where the strategy takes a snapshot."""
         if seq.cache_node is None:
             return
+        self._insert_pages(seq)
+        computed, prompt = seq.num_computed, len(seq.request.prompt_ids)
+        aligned = self.extra_buffer and computed % self.kv_pool.page_size == 0
+        if computed == prompt - 1 or (aligned and (computed < prompt or computed - seq.last_snapshot
+                                               >= self.track_interval)):
+            self._snapshot(seq)
+
+    def _insert_pages(self, seq: Sequence) -> None:
+        """Put seq's full pages of computed tokens that are not in the prefix cache yet into it."""
         full, page_size = seq.num_computed // self.kv_pool.page_size, self.kv_pool.page_size
         if full > seq.cached_pages:
             node = self.prefix_cache.insert(seq.cache_node, seq.tokens(seq.cached_pages * page_size, full * page_size),
@@ -117,11 +134,13 @@ class Scheduler:
             seq.cache_node.locks -= 1
             node.locks += 1
             seq.cache_node, seq.cached_pages = node, full
-        computed, prompt = seq.num_computed, len(seq.request.prompt_ids)
-        aligned = self.extra_buffer and computed % page_size == 0
-        if computed == prompt - 1 or (aligned and (computed < prompt or computed - seq.last_snapshot
-                                               >= self.track_interval)):
-            self._snapshot(seq)
+
+    def release_beyond(self, seq: Sequence) -> None:
+        """Free seq's pages past those its computed tokens and next token need (after a verification whose
+        rejected draft tokens had pages)."""
+        keep = self.kv_pool.pages_for(seq.num_computed + 1)
+        self.kv_pool.free(seq.pages[keep:])
+        del seq.pages[keep:]
 
     def _snapshot(self, seq: Sequence) -> None:
         start = seq.cached_pages * self.kv_pool.page_size

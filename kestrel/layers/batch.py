@@ -26,15 +26,17 @@ class ForwardBatch:
     kv_read_index: torch.Tensor | None   # [N, max_total] int64, flat KV-cache row of every position (0 past the end)
     max_new: int                        # longest run of new tokens
     max_total: int                      # longest sequence after this call
+    keep_token_states: bool = False     # speculative verification: KDA keeps every token's state, pools untouched
 
     @classmethod
     def build(cls, new_lens: list[int], prefix_lens: list[int] | None = None,
               state_slots: list[int] | torch.Tensor | None = None,
               page_table: list[list[int]] | torch.Tensor | None = None, page_size: int = 0,
-              device: torch.device | str = "cpu") -> ForwardBatch:
+              device: torch.device | str = "cpu", keep_token_states: bool = False) -> ForwardBatch:
         """Build the metadata from per-sequence counts (new tokens, tokens already cached).
 
-        page_table row n lists the KV pages (of page_size tokens) holding sequence n, in order.
+        page_table row n lists the KV pages (of page_size tokens) holding sequence n, in order. keep_token_states:
+        a speculative verification (a few tokens per sequence, each with a cached prefix): see the field.
         """
         n = len(new_lens)
         prefix = prefix_lens if prefix_lens is not None else [0] * n
@@ -74,6 +76,7 @@ class ForwardBatch:
             kv_read_index=read_index,
             max_new=max(new_lens, default=0),
             max_total=max_total,
+            keep_token_states=keep_token_states,
         )
 
     @classmethod

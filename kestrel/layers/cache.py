@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..ops.torch.kda_decode import TokenStates
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -26,6 +27,12 @@ class KDAState:
 
     conv: torch.Tensor        # [slots, kernel-1, 3*H*K]: the last kernel-1 q/k/v projections (pre-conv)
     recurrent: torch.Tensor   # [slots, H, K, V], fp32 by default
+    token_states: TokenStates | None = None   # the last speculative verification's state after every token
+
+    def keep(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+        """Commit the verification's states after tokens [N] (flat indices into its tokens) to slots [N]."""
+        self.conv[slots] = self.token_states.conv[tokens].to(self.conv.dtype)
+        self.recurrent[slots] = self.token_states.recurrent[tokens].to(self.recurrent.dtype)
 
 
 @dataclass

@@ -54,17 +54,19 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, hidden] (after input_layernorm) -> [T, hidden]. Reads and writes the sequences' state slots.
 
         Decode steps (one token per sequence, with a cache) run as one fused op over the state pool; prefill
-        chunks run the short conv and chunked KDA (from the slots' states with a cache, from zeros without).
+        chunks run the short conv and chunked KDA (from the slots' states with a cache, from zeros without). A
+        speculative verification (batch.keep_token_states) runs the decode op over its few tokens per sequence,
+        leaving the pool as it was and the state after every token in the cache's token_states.
         """
         num_tokens = x.shape[0]
         state = cache.kda[self.kda_index] if cache is not None else None
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         gate_raw = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, self.num_heads, self.head_dim)
         out_gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).view_as(gate_raw)
-        if state is not None and batch.max_new <= 1:
-            o, _ = backend.get_op("kda_decode", x.device)(
+        if state is not None and (batch.max_new <= 1 or batch.keep_token_states):
+            o, state.token_states = backend.get_op("kda_decode", x.device)(
                 qkv, gate_raw, self.b_proj(x), out_gate, self.step_params(), state.conv, state.recurrent,
-                batch.state_slots, batch.cu_seqlens, batch.prefix_lens > 0)
+                batch.state_slots, batch.cu_seqlens, batch.prefix_lens > 0, keep_token_states=batch.keep_token_states)
         else:
             o = self._prefill(qkv, gate_raw, self.b_proj(x), batch, state)
             o = gated_rms_norm(o, out_gate, self.o_norm.weight, self.o_norm.eps)

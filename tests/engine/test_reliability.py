@@ -71,11 +71,11 @@ def test_a_failing_forward_fails_the_requests_in_its_batch_only(model_dir, monke
     alone = tokens(llm.generate({"prompt_token_ids": [7, 8, 9]}, greedy(6)))[0]
     real_run, steps = engine.runner.run, []
 
-    def run_failing_once(chunks, all_rows):
+    def run_failing_once(chunks, all_rows, verify=False):
         steps.append([c.seq.request.request_id for c in chunks])
         if len(steps) == 3:
             raise RuntimeError("injected model fault")
-        return real_run(chunks, all_rows)
+        return real_run(chunks, all_rows, verify)
     monkeypatch.setattr(engine.runner, "run", run_failing_once)
     engine.add_request("victim", [5, 6], greedy(6))
     engine.add_request("bystander", [7, 8, 9], greedy(6))
@@ -99,8 +99,8 @@ def test_a_sampler_fault_or_nan_logits_fail_only_their_request(model_dir, monkey
             raise RuntimeError("injected sampler fault")
         return real_sample(logits, rows)
 
-    def run_with_nan(chunks, all_rows):
-        logits = real_run(chunks, all_rows)
+    def run_with_nan(chunks, all_rows, verify=False):
+        logits = real_run(chunks, all_rows, verify)
         for chunk, chunk_logits in zip(chunks, logits):
             if chunk.seq.request.request_id == "nan" and chunk_logits is not None and chunk.seq.output_ids:
                 with torch.inference_mode():

@@ -19,8 +19,9 @@ Part = tuple[str, int]
 """("slot", slot) or ("page", page): one piece of an entry; its tensors are named "{i}.{name}" for part i."""
 
 Op = tuple[str, list, list]
-"""(kind, a, b): "slots" copies state slots a[i] -> b[i]; "pages" copies KV pages a[i] -> b[i]; "save" reads the
-parts a into one entry and calls b[0] with it; "load" writes the entry b[0] into the parts a."""
+"""(kind, a, b): "slots" copies state slots a[i] -> b[i]; "pages" copies KV pages a[i] -> b[i]; "keep" commits the
+last speculative verification's KDA state after its token a[i] to slot b[i]; "save" reads the parts a into one
+entry and calls b[0] with it; "load" writes the entry b[0] into the parts a."""
 
 
 class DeviceOps:
@@ -36,6 +37,10 @@ class DeviceOps:
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Page dst[i] gets every MLA layer's latents (and indexer keys) of page src[i]."""
         self._record("pages", src, dst)
+
+    def keep_token_states(self, tokens: list[int], slots: list[int]) -> None:
+        """Slot slots[i] gets the last verification's KDA state after its token tokens[i] (flat index)."""
+        self._ops.append(("keep", list(tokens), list(slots)))
 
     def save(self, parts: list[Part], put: Callable[[Entry], None]) -> None:
         """Read parts into one entry of CPU tensors and hand it to put."""
@@ -88,6 +93,11 @@ def apply_ops(cache: HybridCache, ops: list[Op]) -> None:
             continue
         if kind == "load":
             _write(cache, src, dst[0])
+            continue
+        if kind == "keep":
+            for state in cache.kda:
+                device = state.recurrent.device
+                state.keep(torch.tensor(src, device=device), torch.tensor(dst, device=device))
             continue
         device = (cache.kda[0].recurrent if kind == "slots" and cache.kda else cache.mla[0].latent.values).device
         if kind == "slots":

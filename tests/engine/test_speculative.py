@@ -1,0 +1,193 @@
+"""Speculative decoding (NGRAM drafts) against plain decoding: greedy output token for token, the KDA state after
+every verification equal to a plain computation over the accepted tokens, and a sampled output distribution
+exactly the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.args import BUNDLED_MODEL
+from kestrel.engine.cache.device_ops import apply_ops
+from kestrel.engine.sampling import SamplingRow, apply_penalties, warp_logits
+from kestrel.engine.spec import ngram
+from kestrel.engine.spec.verify import verify
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.cache import HybridCache
+from helpers import assert_idle
+
+VOCAB, PAGE = 320, 4
+
+
+def repetitive(seed: int, length: int) -> list[int]:
+    """A prompt that repeats a short random phrase, so n-gram drafts exist (and the model often follows them)."""
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
+    return (phrase * length)[:length]
+
+
+PROMPTS = [repetitive(1, 30), repetitive(2, 9), repetitive(3, 41), repetitive(4, 17)]
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def answers(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    return LLM(str(model_dir), page_size=PAGE)
+
+
+def spec_llm(folder, **kw) -> LLM:
+    return LLM(str(folder), page_size=PAGE, speculative_algorithm="NGRAM", **kw)
+
+
+@pytest.fixture
+def oracle(monkeypatch, plain):
+    """Drafts from the plain greedy continuation with every fifth token wrong, so that steps accept all, some
+    and none of their drafts (a random model rarely follows n-gram drafts)."""
+    continuations = dict(zip(map(tuple, PROMPTS), answers(plain, PROMPTS, greedy(40))))
+
+    def propose(tokens: list[int], count: int) -> list[int]:
+        for prompt, continuation in continuations.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                at = len(tokens) - len(prompt)
+                return [t if (at + i) % 5 != 4 else (t + 1) % VOCAB
+                        for i, t in enumerate(continuation[at:at + count])]
+        return []
+    monkeypatch.setattr(ngram, "propose", propose)
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3], 5) == [9, 1, 2, 3]       # up to the end
+    assert ngram.propose([4, 5, 6], 3) == [] and ngram.propose([4, 4], 0) == []
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculation_equals_plain_greedy(model_dir, plain, oracle, k):
+    llm = spec_llm(model_dir, speculative_num_draft_tokens=k)
+    assert answers(llm, PROMPTS, greedy()) == answers(plain, PROMPTS, greedy())
+    stats = llm.engine.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens            # drafts both accepted and rejected
+    assert stats.accepted_histogram[-1] > 0 and sum(stats.accepted_histogram[:-1]) > 0
+    assert_idle(llm.engine.scheduler)
+
+
+def test_ngram_drafts_pay_on_the_bundled_model():
+    """In float32: in bfloat16 the verification's batched arithmetic rounds differently from one-token steps, so
+    near-ties can go the other way (as they can between any two batch shapes)."""
+    llm = LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="NGRAM")
+    plain = LLM(str(BUNDLED_MODEL), dtype="float32")
+    text = "the cat sat on the mat. the dog sat on the log. " * 3
+    params = SamplingParams(temperature=0, max_tokens=32)
+    assert llm.generate(text, params)[0].outputs[0].text == plain.generate(text, params)[0].outputs[0].text
+    assert llm.engine.spec_stats.acceptance_length > 1.5
+
+
+def test_greedy_speculation_equals_plain_on_kimi_linear(kimi_linear_dir, monkeypatch):
+    expected = answers(LLM(str(kimi_linear_dir), page_size=PAGE), PROMPTS, greedy())
+    table = dict(zip(map(tuple, PROMPTS), expected))
+    monkeypatch.setattr(ngram, "propose", lambda tokens, count: next(
+        (c[len(tokens) - len(p):][:count] for p, c in table.items() if tuple(tokens[:len(p)]) == p), []))
+    llm = spec_llm(kimi_linear_dir)
+    assert answers(llm, PROMPTS, greedy()) == expected and llm.engine.spec_stats.accepted_tokens > 0
+
+
+def test_the_state_after_every_verification_is_the_plain_state_of_the_accepted_tokens(model_dir, oracle):
+    llm = spec_llm(model_dir, disable_radix_cache=True)
+    engine, model = llm.engine, llm.engine.model
+    engine.add_request("r", PROMPTS[0], greedy(20))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        apply_ops(engine.cache, engine.runner.ops.take())          # the committed states, as the next step sees
+        request = engine.requests.get("r")
+        if request is None or request.sequences[0].num_computed <= len(PROMPTS[0]):
+            continue
+        seq = request.sequences[0]
+        tokens = seq.tokens(0, seq.num_computed)
+        cache = HybridCache.allocate(model.config, 1, -(-len(tokens) // PAGE), PAGE, torch.float32)
+        batch = ForwardBatch.build([len(tokens)], [0], [0], [list(range(cache.mla[0].latent.values.shape[0]
+                                                                         // PAGE))], PAGE)
+        with torch.inference_mode():
+            model(torch.tensor(tokens), batch, cache)
+        for mine, reference in zip(engine.cache.kda, cache.kda):
+            torch.testing.assert_close(mine.recurrent[seq.slot], reference.recurrent[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(mine.conv[seq.slot], reference.conv[0], rtol=1e-4, atol=1e-5)
+        checked += 1
+    assert checked >= 3 and engine.spec_stats.accepted_tokens > 0
+
+
+def test_stops_and_max_tokens_inside_a_verified_block(model_dir, plain, oracle):
+    base = answers(plain, PROMPTS, greedy(20))
+    stop_token = base[0][5]                               # emitted mid-output by the first prompt
+    for params in (greedy(20, stop_token_ids=[stop_token]), greedy(7), greedy(1)):
+        llm = spec_llm(model_dir)
+        assert answers(llm, PROMPTS, params) == answers(plain, PROMPTS, params)
+        assert_idle(llm.engine.scheduler)
+
+
+def test_logprobs_of_the_emitted_tokens(model_dir, plain, oracle):
+    params = greedy(10, logprobs=2)
+    expected = plain.generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0]
+    got = spec_llm(model_dir).generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0]
+    assert got.token_ids == expected.token_ids
+    for a, b in zip(expected.logprobs, got.logprobs):
+        assert a.keys() == b.keys()
+        assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) and b[t].rank == a[t].rank for t in a)
+
+
+def test_preemption_n_and_the_prefix_cache_with_speculation(model_dir, plain, oracle):
+    expected = answers(plain, PROMPTS, greedy(24))
+    tight = spec_llm(model_dir, max_total_tokens=96, mamba_scheduler_strategy="extra_buffer",
+                     mamba_track_interval=4)
+    assert answers(tight, PROMPTS, greedy(24)) == expected and tight.engine.scheduler.num_preemptions > 0
+    assert answers(tight, PROMPTS, greedy(24)) == expected              # again, from the prefix cache
+    assert tight.engine.scheduler.prefix_cache.stats.hits > 0
+    assert_idle(tight.engine.scheduler)
+    forked = spec_llm(model_dir).generate({"prompt_token_ids": PROMPTS[2]}, greedy(12, n=3))[0]
+    assert [c.token_ids for c in forked.outputs] == [expected[2][:12]] * 3
+
+
+def test_an_abort_between_verifications_frees_everything(model_dir, oracle):
+    llm = spec_llm(model_dir)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], greedy(30))
+    for _ in range(4):
+        engine.step()
+    assert engine.spec_stats.verifications > 0
+    engine.abort_request("a")
+    assert_idle(engine.scheduler)
+
+
+def test_the_acceptance_rule_keeps_the_target_distribution():
+    """Every emitted token, whatever the draft, has the distribution plain sampling gives it (sampled 4,000
+    times with a seeded generator; the bound is 6 standard deviations)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, draws = 6, 4_000
+    logits = torch.randn(3, vocab, generator=gen) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.3, max_tokens=8)
+    prompt = [0, 1]
+
+    def target(i: int, history: list[int]) -> torch.Tensor:
+        row = SamplingRow(params, prompt, history, None)
+        return warp_logits(apply_penalties(logits[i:i + 1].clone(), [row]), [params]).softmax(-1)[0]
+
+    for draft in ([2, 3], [4, 4]):
+        counts, second = torch.zeros(vocab), torch.zeros(vocab)
+        for _ in range(draws):
+            out = verify(logits, draft, SamplingRow(params, prompt, [], gen))
+            counts[out[0]] += 1
+            if out[0] == draft[0] and len(out) > 1:
+                second[out[1]] += 1
+        assert second.sum() > 1000
+        for observed, n, expected in ((counts, draws, target(0, [])), (second, second.sum(), target(1, [draft[0]]))):
+            observed = observed / n
+            bound = 6 * (expected * (1 - expected) / n).sqrt() + 1e-3
+            assert ((observed - expected).abs() <= bound).all(), (observed, expected)

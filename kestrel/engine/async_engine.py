@@ -135,6 +135,14 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's /flush_cache); False, with nothing done, while any request is queued or
+        running."""
+        loop = asyncio.get_running_loop()
+        flushed = loop.create_future()
+        self._commands.put(("flush", loop, flushed))
+        return await flushed
+
     def abort_all(self, reason: str) -> None:
         """Abort every request; each stream ends with its output so far, finish_reason "abort" and `reason`."""
         self._commands.put(("abort_all", reason))
@@ -176,6 +184,12 @@ class AsyncEngine:
                 self._deliver(rest[0], e)
         elif kind == "abort":
             self.engine.abort_request(rest[0])
+        elif kind == "flush":
+            loop, flushed = rest
+            idle, cache = not self.engine.has_unfinished_requests(), self.engine.scheduler.prefix_cache
+            if idle and cache is not None:
+                cache.reset()
+            loop.call_soon_threadsafe(flushed.set_result, idle)
         elif kind == "abort_all":
             for request_id in list(self.engine.requests):
                 self._deliver(request_id, self.engine.abort_request(request_id, rest[0]))

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from ..cookbook.web import site_files
+from ..disagg.wire import TransferError
 from ..engine.async_engine import AsyncEngine, RequestFailed, RequestTimedOut
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
@@ -31,10 +32,12 @@ from .tool_grammar import forced_call
 from .errors import ApiError, error_response
 from .metrics import Metrics, RequestTimer
 from .options import ServerOptions
+from .pd import PDRole
 from .protocol import (ChatCompletionRequest, ChatTemplateFields, CompletionRequest, DetokenizeRequest, Message,
                        NamedToolChoice, SamplingFields, TokenizeRequest)
 from .responses import (chat_delta, chat_finish_reason, chat_logprobs, chat_message, completion_logprobs,
                         completion_tokens, new_id, now, usage)
+from .sglang_api import add_sglang_routes
 
 @dataclass
 class ServerState:
@@ -43,6 +46,7 @@ class ServerState:
     metrics: Metrics
     draining: bool = False
     cookbook_files: dict[str, tuple[bytes, str]] | None = None
+    pd: PDRole | None = None                  # --disaggregation-mode prefill or decode
 
     @property
     def model_name(self) -> str:
@@ -50,12 +54,23 @@ class ServerState:
 
 
 def create_app(engine: AsyncEngine, options: ServerOptions) -> FastAPI:
-    app = FastAPI(title="kestrel", description="OpenAI-compatible server for the Kimi K3 family")
-    state = ServerState(engine, options, Metrics(engine))
+    pd = PDRole(engine, options) if options.disaggregation_mode != "null" else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if pd is not None:
+            await pd.start()
+        yield
+        if pd is not None:
+            await pd.stop()
+
+    app = FastAPI(title="kestrel", description="OpenAI-compatible server for the Kimi K3 family", lifespan=lifespan)
+    state = ServerState(engine, options, Metrics(engine), pd=pd)
     model_name = options.model_name
     app.state.kestrel = state
     _install_error_handlers(app)
     app.add_middleware(KeyGate, keys=options.api_keys, per_key_limit=options.max_concurrent_requests_per_key)
+    add_sglang_routes(app, engine, options)
 
     @app.get("/health")
     async def health() -> dict:
@@ -220,13 +235,19 @@ def _max_tokens(requested: int | None) -> int | None:
     return None if requested is None else max(requested, 1)
 
 
-async def _outputs(state: ServerState, request_id: str, prompt, params: SamplingParams,
-                   priority: int) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for one request, with bad requests and engine failures turned into ApiErrors."""
+async def _outputs(state: ServerState, request_id: str, prompt, params: SamplingParams, priority: int,
+                   bootstrap: tuple = (None, None, None)) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request (this instance's side of it under PD disaggregation, at the bootstrap
+    (host, port, room) the router added), with bad requests and failures turned into ApiErrors."""
     try:
-        async for output in state.engine.generate(request_id, prompt, params, priority,
-                                                  state.options.request_timeout):
+        if state.pd is None:
+            outputs = state.engine.generate(request_id, prompt, params, priority, state.options.request_timeout)
+        else:
+            outputs = state.pd.generate(request_id, prompt, params, priority, bootstrap)
+        async for output in outputs:
             yield output
+    except TransferError as e:
+        raise ApiError(502, str(e), kind="server_error") from e
     except ValueError as e:
         raise ApiError(400, str(e), "prompt") from e
     except RequestTimedOut as e:
@@ -305,7 +326,8 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     params = _sampling_params(body, state, _max_tokens(body.max_tokens), body.logprobs,
                               body.logprobs if want_prompt_logprobs else None, structured_outputs=constraint)
     request_id = new_id("cmpl")
-    streams = [_outputs(state, f"{request_id}-{i}", p, params, body.priority) for i, p in enumerate(prompts)]
+    streams = [_outputs(state, f"{request_id}-{i}", p, params, body.priority, body.bootstrap(i))
+               for i, p in enumerate(prompts)]
     tokenizer, n = state.engine.tokenizer, body.n
     generated = body.max_tokens != 0
     timer = RequestTimer(state.metrics)
@@ -443,7 +465,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                               top if body.logprobs else None, skip_special_tokens=False,
                               structured_outputs=constraint)
     request_id = new_id("chatcmpl")
-    stream = _outputs(state, request_id, prompt_ids(state.engine.tokenizer, prompt), params, body.priority)
+    stream = _outputs(state, request_id, prompt_ids(state.engine.tokenizer, prompt), params, body.priority,
+                      body.bootstrap(0))
     parsers = [ReplyParser(prompt.reply_start) for _ in range(body.n)]
     tokenizer = state.engine.tokenizer
     timer = RequestTimer(state.metrics)

@@ -104,7 +104,23 @@ class SamplingFields(Schema):
             include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
 
 
-class CompletionRequest(SamplingFields):
+class BootstrapFields(Schema):
+    """SGLang's PD fields, which its router adds to a request it sends to a prefill and a decode instance (lists
+    with one entry per prompt for a batch of prompts)."""
+
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | None | list[int | None] = None
+    bootstrap_room: Annotated[int, Field(ge=0, le=INT64_MAX)] | list[Annotated[int, Field(ge=0, le=INT64_MAX)]] \
+        | None = None
+
+    def bootstrap(self, i: int) -> tuple[str | None, int | None, int | None]:
+        """Prompt i's (host, port, room), each None where the request lacks it."""
+        return tuple(value[i] if isinstance(value, list) and i < len(value) else
+                     None if isinstance(value, list) else value
+                     for value in (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room))
+
+
+class CompletionRequest(SamplingFields, BootstrapFields):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -181,7 +197,7 @@ class ChatTemplateFields(Schema):
     reasoning_effort: ReasoningEffort | None = None
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, BootstrapFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False

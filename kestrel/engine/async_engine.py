@@ -37,6 +37,9 @@ class EngineStats:
     cache_hit_tokens: int = 0        # of those, served from the cache
     cache_pages: int = 0             # pages in the tree
     cache_snapshots: int = 0         # KDA state snapshots held
+    spec_verifications: int = 0      # speculative decoding: verification steps, draft tokens, accepted ones
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class RequestFailed(RuntimeError):
@@ -83,7 +86,10 @@ class AsyncEngine:
         cached = {} if cache is None else dict(
             cache_prompt_tokens=cache.stats.prompt_tokens, cache_hit_tokens=cache.stats.cached_tokens,
             cache_pages=cache.num_pages, cache_snapshots=snapshots)
-        return EngineStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
+        spec = self.engine.spec_stats
+        return EngineStats(spec_verifications=spec.verifications, spec_draft_tokens=spec.draft_tokens,
+                           spec_accepted_tokens=spec.accepted_tokens,
+                           running=len(scheduler.running), waiting=len(scheduler.waiting),
                            running_requests=self.engine.num_running_requests(),
                            kv_pages_used=kv.num_used, kv_pages_total=kv.num_pages,
                            state_slots_used=state.num_slots - state.num_free - snapshots,

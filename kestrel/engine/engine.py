@@ -30,6 +30,7 @@ from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprob
                        new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
 from .spec import ngram
+from .spec.mtp import DraftInput, MTPDrafter
 from .spec.stats import SpecStats
 from .spec.verify import verify
 from .structured import GrammarCompiler
@@ -50,6 +51,12 @@ class LLMEngine:
         self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
         device = self.ranks.device if self.ranks else torch.device(args.device)
         graphs = not args.disable_cuda_graph and graphs_supported(device)
+        if graphs and args.speculative_algorithm == "NEXTN":
+            graphs = False
+            log.info("decode: CUDA graphs are not used with the MTP drafter yet (it reads every step's hidden states)")
+        if args.speculative_algorithm == "NEXTN" and self.ranks:
+            self.shutdown()
+            raise ValueError("the MTP drafter (NEXTN) runs in one process for now; drop --tp-size or use NGRAM.")
         if graphs and self.ranks:
             log.info("decode: CUDA graphs are not used with more than one rank yet; decoding eagerly")
         try:
@@ -73,7 +80,8 @@ class LLMEngine:
         prefix_cache = build_prefix_cache(args, state_pool, kv_pool, self.cache, self.plan)
         self.scheduler = Scheduler(state_pool, kv_pool, page_table, self.plan.max_running_requests,
                                    args.chunked_prefill_size, args.max_prefill_tokens, prefix_cache,
-                                   args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval)
+                                   args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval,
+                                   args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0)
         decode_graphs = None
         if shard.graphs:
             max_batch = min(args.cuda_graph_max_bs, self.plan.max_running_requests)
@@ -87,6 +95,12 @@ class LLMEngine:
         self._compiling: dict[str, Future] = {}     # request id -> its grammar, compiling
         self._finished_on_arrival: list[Request] = []    # prefilled requests whose first token ended them
         self.spec_stats = SpecStats(args.speculative_num_draft_tokens)
+        self.drafter = None
+        if args.speculative_algorithm == "NEXTN":
+            if not self.config.num_nextn_predict_layers:
+                raise ValueError(f"--speculative-algorithm NEXTN drafts with the model's MTP layers, and "
+                                 f"{args.model} has none.")
+            self.drafter = MTPDrafter(self.model, self.cache, page_table)
         torch.manual_seed(args.random_seed)
 
     def shutdown(self) -> None:
@@ -229,7 +243,7 @@ class LLMEngine:
         self._finished_on_arrival = []
         for request in rejected:
             self.requests.pop(request.request_id, None)
-        if self.args.speculative_algorithm != "none":
+        if self.args.speculative_algorithm == "NGRAM":
             self._propose_drafts()
         chunks = self.scheduler.schedule()
         self.stalled = not chunks and not self._compiling
@@ -239,10 +253,13 @@ class LLMEngine:
             return [request.output() for request in rejected]
         touched: dict[str, Request] = {r.request_id: r for r in rejected}
         plain, verifying = [c for c in chunks if not c.draft], [c for c in chunks if c.draft]
+        computed: list[tuple[Sequence, int, torch.Tensor]] = []     # for the MTP drafter
         if plain:
-            self._run_plain(plain, touched)
+            self._run_plain(plain, touched, computed)
         if verifying:
-            self._run_verify(verifying, touched)
+            self._run_verify(verifying, touched, computed)
+        if self.drafter is not None:
+            self._draft_with_mtp(computed)
         for request_id, request in touched.items():
             if request.finished:
                 self.requests.pop(request_id, None)
@@ -261,12 +278,18 @@ class LLMEngine:
                 touched[request.request_id] = request
             return None
 
-    def _run_plain(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> None:
-        """Prefill chunks and one-token decode steps: compute, then sample where a chunk reaches its end."""
+    def _run_plain(self, chunks: list[ScheduledChunk], touched: dict[str, Request],
+                   computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """Prefill chunks and one-token decode steps: compute, then sample where a chunk reaches its end.
+        computed gets each chunk's (sequence, first position, hidden states)."""
         all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
         logits = self._forward(chunks, all_rows, touched)
         if logits is None:
             return
+        if self.drafter is not None:
+            rows = itertools.accumulate([c.length for c in chunks], initial=0)
+            computed += [(c.seq, c.start, self.runner.hidden[first:first + c.length])
+                         for c, first in zip(chunks, rows)]
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
             chunk.seq.num_computed += chunk.length
@@ -280,26 +303,50 @@ class LLMEngine:
         if to_sample:
             self._sample_and_append(to_sample)
 
-    def _propose_drafts(self) -> None:
-        """Drafts for every sequence past its first output token that may speculate (not with structured
-        outputs), at most as many as its max_tokens and the context leave room for."""
-        k = self.args.speculative_num_draft_tokens
-        for seq in self.scheduler.running:
-            params, n = seq.request.params, seq.num_tokens
-            if seq.status is not Status.RUNNING or seq.num_computed != n - 1 or not seq.output_ids \
-                    or seq.matcher is not None:
-                continue
-            room = min(k, self.context_length - n)
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - len(seq.output_ids) - 1)
-            seq.draft = tuple(ngram.propose(seq.tokens(max(n - ngram.WINDOW, 0), n), room))
+    def _draft_room(self, seq: Sequence) -> int:
+        """How many draft tokens seq may verify next step: none before its first output token, with structured
+        outputs, or while it still has prompt to compute; else as many as its max_tokens and the context leave."""
+        params, n = seq.request.params, seq.num_tokens
+        if seq.status is not Status.RUNNING or seq.num_computed != n - 1 or not seq.output_ids \
+                or seq.matcher is not None:
+            return 0
+        room = min(self.args.speculative_num_draft_tokens, self.context_length - n)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - len(seq.output_ids) - 1)
+        return max(room, 0)
 
-    def _run_verify(self, chunks: list[ScheduledChunk], touched: dict[str, Request]) -> None:
+    def _propose_drafts(self) -> None:
+        """NGRAM drafts for every sequence that may speculate."""
+        for seq in self.scheduler.running:
+            n = seq.num_tokens
+            seq.draft = tuple(ngram.propose(seq.tokens(max(n - ngram.WINDOW, 0), n), self._draft_room(seq)))
+
+    def _draft_with_mtp(self, computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """Run the MTP layer over the positions this step computed and kept (writing its cache), and draft the
+        next step's tokens from it. A position's input is its hidden state and the token after it, so a chunk's
+        last position waits for that token: the next prompt token, or the one just sampled."""
+        inputs, owners = [], []
+        for seq, start, hidden in computed:
+            if seq.status is not Status.RUNNING:
+                continue
+            end = min(start + hidden.shape[0], seq.num_tokens - 1)      # positions whose next token is known
+            if end <= start:
+                continue
+            inputs.append(DraftInput(seq.slot, start, hidden[:end - start], seq.tokens(start + 1, end + 1),
+                                     len(seq.pages) * self.plan.page_size, self._draft_room(seq)))
+            owners.append(seq)
+        for seq, draft in zip(owners, self.drafter.draft(inputs)):
+            seq.draft = tuple(draft)
+
+    def _run_verify(self, chunks: list[ScheduledChunk], touched: dict[str, Request],
+                    computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """Verify every chunk's draft in one forward, then per sequence: emit the accepted tokens, commit the KDA
-        state after the last token computed and accepted, release the pages past it."""
+        state after the last token computed and accepted, release the pages past what the next verification
+        needs. computed gets each sequence's (sequence, first position, hidden states of the kept positions)."""
         logits = self._forward(chunks, set(range(len(chunks))), touched, verify=True)
         if logits is None:
             return
+        hidden = self.runner.hidden
         first = 0
         for chunk, chunk_logits in zip(chunks, logits):
             seq, draft = chunk.seq, list(chunk.draft)
@@ -314,6 +361,8 @@ class LLMEngine:
                 self.spec_stats.record(len(draft), accepted)
                 seq.num_computed += 1 + accepted
                 self.runner.ops.keep_token_states([start + accepted], [seq.slot])
+                if self.drafter is not None:
+                    computed.append((seq, chunk.start, hidden[start:start + accepted + 1]))
                 raw = raw_logprobs(chunk_logits[:len(tokens)])
                 num_top = seq.request.params.logprobs or 0
                 for i, token in enumerate(tokens):

@@ -65,6 +65,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
     weights = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
     cache_config = par.layout.cache_config(config)
+    mtp_layers = 1 if args.speculative_algorithm == "NEXTN" else 0     # the MTP drafter's layer caches latents too
 
     memory = device_memory(device)
     if device.type == "cpu":        # the ranks on one machine share its memory
@@ -72,7 +73,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
 
     def plan(engine_args: EngineArgs) -> MemoryPlan:
         return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
-                           ssm_dtype, kv_dtype)
+                           ssm_dtype, kv_dtype, mtp_layers)
 
     memory_plan = plan(args)
     prefix = f"rank {par.layout.rank}: " if control is not None else ""
@@ -87,7 +88,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     slots, pages = memory_plan.num_slots, memory_plan.num_pages
     try:
         cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
-                                     dtype, ssm_dtype, kv_dtype, device)
+                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers)
     except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
         size = (memory_plan.state_pool_bytes + memory_plan.kv_pool_bytes) / 2**30
         raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "

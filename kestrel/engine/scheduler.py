@@ -53,13 +53,15 @@ class Scheduler:
 
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, page_table: PageTable, max_running: int,
                  chunked_prefill_size: int, max_prefill_tokens: int, prefix_cache: PrefixCache | None = None,
-                 extra_buffer: bool = False, track_interval: int = 256):
+                 extra_buffer: bool = False, track_interval: int = 256, lookahead: int = 0):
+        """lookahead: draft tokens a speculating sequence verifies per step (pages kept for them)."""
         self.state_pool = state_pool
         self.kv_pool = kv_pool
         self.page_table = page_table
         self.prefix_cache = prefix_cache
         self.extra_buffer = extra_buffer
         self.track_interval = track_interval
+        self.lookahead = lookahead
         self.max_running = max_running
         self.chunk_size = chunked_prefill_size
         self.token_budget = max_prefill_tokens
@@ -97,7 +99,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             length = self._chunk_length(seq, budget)
-            draft, seq.draft = seq.draft[:budget - length], ()
+            decoding = seq.num_computed == seq.num_tokens - 1
+            draft, seq.draft = (seq.draft[:budget - length] if decoding else ()), ()
             if not self._grow(seq, length + len(draft), protected=scheduled):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
@@ -136,9 +139,9 @@ class Scheduler:
             seq.cache_node, seq.cached_pages = node, full
 
     def release_beyond(self, seq: Sequence) -> None:
-        """Free seq's pages past those its computed tokens and next token need (after a verification whose
+        """Free seq's pages past those its computed tokens and next verification need (after a verification whose
         rejected draft tokens had pages)."""
-        keep = self.kv_pool.pages_for(seq.num_computed + 1)
+        keep = self.kv_pool.pages_for(seq.num_computed + 1 + self.lookahead)
         self.kv_pool.free(seq.pages[keep:])
         del seq.pages[keep:]
 
@@ -293,4 +296,4 @@ class Scheduler:
         if seq.cache_node is not None:
             seq.cache_node.locks -= 1
         seq.slot, seq.pages, seq.reserved_slots, seq.num_computed = None, [], [], 0
-        seq.cache_node, seq.cached_pages = None, 0
+        seq.cache_node, seq.cached_pages, seq.draft = None, 0, ()

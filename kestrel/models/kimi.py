@@ -94,8 +94,17 @@ class MTPLayer(DecoderLayer):
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch,
                 cache: HybridCache | None) -> torch.Tensor:
         """hidden, next_embeds [T, D] -> draft logits [T, vocab] for the token after next."""
+        return self.head(self.body(hidden, next_embeds, batch, cache))
+
+    def body(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch,
+             cache: HybridCache | None) -> torch.Tensor:
+        """hidden, next_embeds [T, D] -> h'' [T, D], the layer's output before the head (what a chained draft reads
+        in place of the main model's hidden state)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
-        x = super().forward(x, batch, cache)
+        return super().forward(x, batch, cache)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """h'' [T, D] -> logits [T, vocab]."""
         return gather_vocab(self.shared_head.head(self.shared_head.norm(x)), self.vocab_size, self.par)
 
 
@@ -191,5 +200,11 @@ class KimiForCausalLM(nn.Module):
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
                    cache: HybridCache | None = None, depth: int = 0) -> torch.Tensor:
         """Draft logits [T, vocab] fp32 of MTP layer `depth`: at token t, from hidden[t] and the id of token t+1."""
+        return self.mtp_draft(hidden, next_ids, batch, cache, depth)[0]
+
+    def mtp_draft(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                  cache: HybridCache | None = None, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """As mtp_logits, plus the MTP layer's output h'' [T, D], from which a chained draft continues."""
         layer = self.mtp_layers[depth]
-        return layer(hidden, self.model.embed_tokens(next_ids), batch, cache).float()
+        x = layer.body(hidden, self.model.embed_tokens(next_ids), batch, cache)
+        return layer.head(x).float(), x

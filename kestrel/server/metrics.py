@@ -43,6 +43,13 @@ class Metrics:
             "kestrel_prefix_cache_pages": ("KV pages held by the prefix cache", lambda s: s.cache_pages),
             "kestrel_prefix_cache_snapshots": ("KDA state snapshots held by the prefix cache",
                                                lambda s: s.cache_snapshots),
+            "kestrel_spec_verifications": ("Speculative verification steps since start",
+                                           lambda s: s.spec_verifications),
+            "kestrel_spec_draft_tokens": ("Draft tokens verified since start", lambda s: s.spec_draft_tokens),
+            "kestrel_spec_accepted_tokens": ("Draft tokens accepted since start", lambda s: s.spec_accepted_tokens),
+            "kestrel_spec_acceptance_length": ("Mean tokens emitted per verification step",
+                                               lambda s: (s.spec_accepted_tokens + s.spec_verifications)
+                                               / max(s.spec_verifications, 1)),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine.stats()))

@@ -44,7 +44,7 @@ def plain(model_dir):
 
 
 def spec_llm(folder, **kw) -> LLM:
-    return LLM(str(folder), page_size=PAGE, speculative_algorithm="NGRAM", **kw)
+    return LLM(str(folder), page_size=PAGE, **{"speculative_algorithm": "NGRAM", **kw})
 
 
 @pytest.fixture
@@ -191,3 +191,50 @@ def test_the_acceptance_rule_keeps_the_target_distribution():
             observed = observed / n
             bound = 6 * (expected * (1 - expected) / n).sqrt() + 1e-3
             assert ((observed - expected).abs() <= bound).all(), (observed, expected)
+
+
+# NEXTN: the model's MTP layer drafts.
+
+def test_mtp_greedy_speculation_equals_plain_greedy(model_dir, plain):
+    llm = spec_llm(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=3)
+    assert answers(llm, PROMPTS, greedy(20)) == answers(plain, PROMPTS, greedy(20))
+    assert llm.engine.spec_stats.verifications > 10
+    assert llm.engine.plan.mtp_layers == 1
+    tight = spec_llm(model_dir, speculative_algorithm="NEXTN", max_total_tokens=96)
+    assert answers(tight, PROMPTS, greedy(24)) == answers(plain, PROMPTS, greedy(24))
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_idle(tight.engine.scheduler)
+
+
+def test_mtp_drafts_are_the_mtp_layer_over_the_whole_sequence(model_dir):
+    """After every step, the first draft is the MTP layer's prediction at the last computed position, computed
+    plainly over the whole sequence (the incremental MTP cache, rewritten over rejected positions, is exact)."""
+    llm = spec_llm(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2, disable_radix_cache=True)
+    engine, model = llm.engine, llm.engine.model
+    engine.add_request("r", PROMPTS[2], greedy(24))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        request = engine.requests.get("r")
+        seq = request.sequences[0] if request else None
+        if seq is None or not seq.draft:
+            continue
+        tokens = seq.tokens(0, seq.num_tokens)
+        with torch.inference_mode():
+            batch = ForwardBatch.build([len(tokens) - 1])
+            hidden = model(torch.tensor(tokens[:-1]), batch)
+            logits = model.mtp_logits(hidden, torch.tensor(tokens[1:]), batch)[-1]
+        top2 = logits.topk(2).values
+        if top2[0] - top2[1] > 1e-3:                          # not a near-tie that rounding may flip
+            assert seq.draft[0] == int(logits.argmax())
+            checked += 1
+    assert checked >= 5
+
+
+def test_mtp_drafts_pay_on_the_bundled_model():
+    params = SamplingParams(temperature=0, max_tokens=40)
+    text = "Once upon a time, there was a little girl who"
+    llm = LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=2)
+    plain = LLM(str(BUNDLED_MODEL), dtype="float32")
+    assert llm.generate(text, params)[0].outputs[0].text == plain.generate(text, params)[0].outputs[0].text
+    assert llm.engine.spec_stats.acceptance_length > 1.3

@@ -190,3 +190,17 @@ def test_a_repeated_prompt_reports_its_cached_tokens(server):
         chat = {"messages": [{"role": "user", "content": body["prompt"]}], "max_tokens": 2}
         turns = [http.post("/v1/chat/completions", json=chat).json()["usage"] for _ in range(2)]
         assert turns[1]["prompt_tokens_details"]["cached_tokens"] == turns[1]["prompt_tokens"] - 1
+
+
+def test_speculative_decoding_counts_reach_metrics(model_folder):
+    live = LiveServer(model_folder, page_size=4, speculative_algorithm="NEXTN")
+    try:
+        with live.client() as http:
+            body = {"prompt": "to be or not to be, to be or not to be, to be or not", "max_tokens": 12,
+                    "temperature": 0, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert gauge(http, "kestrel_spec_verifications") > 0
+            drafted, accepted = gauge(http, "kestrel_spec_draft_tokens"), gauge(http, "kestrel_spec_accepted_tokens")
+            assert drafted >= accepted >= 0 and gauge(http, "kestrel_spec_acceptance_length") >= 1
+    finally:
+        live.stop()

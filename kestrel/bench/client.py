@@ -79,6 +79,7 @@ class Client:
         if usage:
             record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
             record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _error_message(response: httpx.Response) -> str:

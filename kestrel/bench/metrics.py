@@ -25,6 +25,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens the server served from its prefix cache (usage, when sent)
     error: str | None = None
 
     @property

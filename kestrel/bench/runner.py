@@ -1,5 +1,6 @@
 """Running a benchmark: closed loop (a concurrency cap) or open loop (Poisson arrivals), warm-up, a request or
-time bound, agentic lanes that replay sessions; one result per concurrency, as JSON plus a Markdown summary."""
+time bound, agentic lanes that replay sessions; one result per concurrency, as JSON plus a Markdown summary, each
+with the server's prefix-cache hit rate next to the workload's theoretical maximum (prefix.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from .agentic import AgenticShape, Chain, Session, describe, sessions
 from .client import Client, RequestSpec, ServerError, server_info
 from .metrics import RequestRecord, summarize
+from .prefix import prefix_cache_report, tokenize_bodies
 from .workloads import FileWorkload, RandomWorkload
 
 
@@ -35,7 +37,8 @@ class RunConfig:
 
 async def run_requests(config: RunConfig, warmup: list[RequestSpec], specs: list[RequestSpec],
                        progress: bool) -> dict:
-    """Send the warm-up requests, then the measured ones; the run's records and duration."""
+    """Send the warm-up requests, then the measured ones; the run's records, duration and request bodies (in
+    dispatch order, warm-up included)."""
     client = Client(config.base_url, config.model, config.api_key)
     try:
         for spec in warmup:
@@ -61,7 +64,8 @@ async def run_requests(config: RunConfig, warmup: list[RequestSpec], specs: list
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         await asyncio.gather(*tasks)
         bar.close()
-        return {"records": records, "duration_s": client.now()}
+        sent = [s.body for s in warmup] + [s.body for s in specs[:len(tasks)]]
+        return {"records": records, "duration_s": client.now(), "bodies": sent}
     finally:
         await client.close()
 
@@ -70,6 +74,7 @@ async def run_agentic(config: RunConfig, all_sessions: list[Session], think_scal
     """`concurrency` lanes, each replaying whole sessions (sub-agents included) one after another."""
     client = Client(config.base_url, config.model, config.api_key)
     records: list[RequestRecord] = []
+    bodies: list[dict] = []
     queue = list(reversed(all_sessions))
     dispatched = 0
     bar = tqdm(total=config.num_prompts, disable=not progress, desc=f"lanes={config.concurrency}", unit="req")
@@ -86,6 +91,7 @@ async def run_agentic(config: RunConfig, all_sessions: list[Session], think_scal
                 return
             dispatched += 1
             body = {"messages": turn.messages, "max_tokens": turn.max_tokens, "ignore_eos": True, "temperature": 0}
+            bodies.append(body)
             record, _ = await client.send(RequestSpec("chat", body))
             records.append(record)
             bar.update(1)
@@ -99,7 +105,7 @@ async def run_agentic(config: RunConfig, all_sessions: list[Session], think_scal
     try:
         await asyncio.gather(*(lane() for _ in range(config.concurrency)))
         bar.close()
-        return {"records": records, "duration_s": client.now()}
+        return {"records": records, "duration_s": client.now(), "bodies": bodies}
     finally:
         await client.close()
 
@@ -112,12 +118,22 @@ def _server_info_or_error(config: RunConfig) -> dict:
         return {"error": str(e)}
 
 
+def _prefix_cache(config: RunConfig, run: dict, before: dict, after: dict) -> dict:
+    """prefix.prefix_cache_report of a run (read after the run's last /metrics, so tokenizing counts nothing)."""
+    try:
+        prompts, error = tokenize_bodies(config.base_url, run["bodies"], config.api_key), None
+    except ServerError as e:
+        prompts, error = None, str(e)
+    return prefix_cache_report(before.get("metrics"), after.get("metrics"), prompts, error)
+
+
 def result_document(config: RunConfig, run: dict, workload: dict, command: list[str], before: dict,
                     after: dict) -> dict:
     metrics = summarize(run["records"], run["duration_s"], config.num_gpus)
     return {"command": command, "config": {k: v for k, v in asdict(config).items() if k != "api_key"},
             "workload": workload, "partial": metrics["failed"] > 0 or "error" in after,
             "server_before": before, "server_after": after, "metrics": metrics,
+            "prefix_cache": _prefix_cache(config, run, before, after),
             "requests": [asdict(r) for r in run["records"]]}
 
 
@@ -155,8 +171,9 @@ def run_sweep(config: RunConfig, concurrencies: list[int], output: Path, command
 
 def summary_markdown(results: list[dict]) -> str:
     rows = ["| workload | concurrency | completed | failed | req/s | output tok/s | total tok/s/GPU | "
-            "TTFT median ms | TPOT median ms | ITL p90 ms | AgentX tok/s/GPU | p90 interactivity tok/s |",
-            "|" + "---|" * 12]
+            "TTFT median ms | TPOT median ms | ITL p90 ms | AgentX tok/s/GPU | p90 interactivity tok/s | "
+            "prefix hit % (server) | prefix hit % (max) |",
+            "|" + "---|" * 14]
     for r in results:
         m = r["metrics"]
         ms = lambda d, k: "-" if d[k] is None else f"{1000 * d[k]:.1f}"  # noqa: E731
@@ -165,7 +182,16 @@ def summary_markdown(results: list[dict]) -> str:
                     f"{m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
                     f"{m['total_token_throughput_per_gpu']:.1f} | {ms(m['ttft_s'], 'median')} | "
                     f"{ms(m['tpot_s'], 'median')} | {ms(m['itl_s'], 'p90')} | {m['agentx']['total_tput_per_gpu']:.1f} | "
-                    f"{'-' if interactivity is None else f'{interactivity:.1f}'} |")
+                    f"{'-' if interactivity is None else f'{interactivity:.1f}'} | {_hit_rates(r)} |")
     failures = {k: v for r in results for k, v in r["metrics"]["failure_reasons"].items()}
     notes = [f"- failures: {failures}"] if failures else []
     return "\n".join(["# Benchmark summary", "", *rows, "", *notes]) + "\n"
+
+
+def _hit_rates(result: dict) -> str:
+    """'server | max' percentages of a result's prefix_cache ('-' where unknown; results of older versions have
+    none)."""
+    cache = result.get("prefix_cache") or {}
+    server = (cache.get("server") or {}).get("hit_rate")
+    best = (cache.get("theoretical") or {}).get("max_hit_rate")
+    return " | ".join("-" if x is None else f"{100 * x:.1f}" for x in (server, best))

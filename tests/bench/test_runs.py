@@ -106,6 +106,8 @@ def test_agentic_run(live, tmp_path):
     assert result["workload"]["generated"]["sessions"] == 3
     assert result["workload"]["generated"]["requests"] == available
     assert result["metrics"]["agentx"]["total_tput_per_gpu"] > 0
+    cache = result["prefix_cache"]          # the server counts the same prompt tokens that /tokenize gave
+    assert cache["server"]["queried_tokens"] == cache["theoretical"]["prompt_tokens"] > 0
 
 
 def test_card(live, tmp_path):

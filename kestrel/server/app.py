@@ -351,15 +351,18 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
 
     if body.stream:
         async def chunks() -> AsyncIterator[str]:
-            sent = {}
+            sent, closed = {}, set()       # closed: choices whose finish_reason went out (sent once)
             finals: dict[int, RequestOutput] = {}
             async for i, output in _merged(streams):
                 chunk_choices = []
                 for j, c in enumerate(output.outputs):
                     text_from, tokens_from = sent.get((i, j), (0, 0))
                     first = (i, j) not in sent
-                    if len(c.token_ids) == tokens_from and not c.finish_reason and not (body.echo and first):
+                    if (i, j) in closed or (len(c.token_ids) == tokens_from and not c.finish_reason
+                                            and not (body.echo and first)):
                         continue
+                    if c.finish_reason:
+                        closed.add((i, j))
                     chunk_choices.append(choice(i, output, j, text_from, tokens_from, body.echo and first))
                     sent[(i, j)] = (len(c.text), len(c.token_ids))
                 finals[i] = output
@@ -474,17 +477,21 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     if body.stream:
         async def chunks() -> AsyncIterator[str]:
             sent: dict[int, tuple[int, int]] = {}
+            closed: set[int] = set()       # choices whose finish_reason went out (sent once)
             final: RequestOutput | None = None
             async for _, output in _merged([stream]):
                 final = output
                 timer.tokens_seen(completion_tokens(output))
                 for j, c in enumerate(output.outputs):
+                    if j in closed:
+                        continue
                     text_from, tokens_from = sent.get(j, (0, 0))
                     delta = parsers[j].feed(c.text[text_from:])
                     if c.finish_reason is not None:
                         tail = parsers[j].finish()
                         delta = ReplyDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
                                            delta.tool_calls + tail.tool_calls)
+                        closed.add(j)
                     first = j not in sent
                     sent[j] = (len(c.text), len(c.token_ids))
                     if not (delta or first or c.finish_reason):

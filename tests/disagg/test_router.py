@@ -95,8 +95,9 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 
 def streamed_text(url: str, path: str, body: dict) -> list[str]:
-    """Each choice's text (or content) put together from a streamed response."""
+    """Each choice's text (or content) put together from a streamed response (each choice finishes once)."""
     texts: dict[int, str] = {}
+    finishes: list[int] = []
     with httpx.stream("POST", url + path, json={"model": "k3.1-tiny", **body, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -104,6 +105,8 @@ def streamed_text(url: str, path: str, body: dict) -> list[str]:
             for choice in json.loads(line[6:])["choices"]:
                 piece = choice.get("text") if "text" in choice else choice["delta"].get("content") or ""
                 texts[choice["index"]] = texts.get(choice["index"], "") + piece
+                finishes += [choice["index"]] if choice["finish_reason"] else []
+    assert sorted(finishes) == sorted(texts)
     return [texts[i] for i in sorted(texts)]
 
 

@@ -29,6 +29,7 @@ from .models.inspect import inspect_config
 from .models.presets import PRESETS, tiny_config
 from .models.quantize import quantize_experts
 from .server.options import ServerOptions
+from .server.router import run_router
 from .server.serve import serve
 
 
@@ -38,6 +39,13 @@ class UsageError(ValueError):
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["router"]:
+        try:
+            run_router(argv[1:])
+        except ValueError as e:
+            print(f"kestrel router: {e}", file=sys.stderr)
+            return 2
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -84,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     ServerOptions.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_serve)
+    p = sub.add_parser("router", help="SGLang's router in front of kestrel servers (flags as sglang_router's, e.g. "
+                                      "--worker-urls URL URL, or --pd-disaggregation --prefill URL PORT --decode URL)",
+                       add_help=False)
+    p.set_defaults(run=None)      # main() hands every argument after "router" to the router unparsed
     add_bench_commands(sub)
     add_cookbook_commands(sub)
     return parser

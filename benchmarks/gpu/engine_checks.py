@@ -31,10 +31,11 @@ NEW_TOKENS = 48
 
 
 def engine(device: str, max_batch_size: int, graphs: bool) -> LLM:
-    """The bundled model on `device` with pools for max_batch_size sequences of up to 512 tokens each."""
+    """The bundled model on `device` with pools for max_batch_size sequences of up to 512 tokens each (no prefix
+    cache: it computes a prompt's last token as a step of its own, which would count as a decode replay)."""
     return LLM(str(BUNDLED_MODEL), device=device, max_mamba_cache_size=max_batch_size,
                max_total_tokens=max_batch_size * 512, max_running_requests=max_batch_size,
-               cuda_graph_max_bs=max_batch_size, disable_cuda_graph=not graphs)
+               cuda_graph_max_bs=max_batch_size, disable_cuda_graph=not graphs, disable_radix_cache=True)
 
 
 def sample_prompts(llm: LLM, count: int) -> list[list[int]]:

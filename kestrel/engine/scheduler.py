@@ -212,8 +212,6 @@ class Scheduler:
         if cache is None or seq.request.prompt_logprobs is not None or seq.prefilled is not None:
             return None
         hit = cache.match(seq.tokens(0, seq.num_tokens), seq.num_tokens - 1)
-        if seq.request.num_cached_tokens is None:
-            cache.stats.prompt_tokens += len(seq.request.prompt_ids)
         if hit is not None:
             hit.snapshot.locks += 1
             hit.node.locks += 1
@@ -257,7 +255,8 @@ class Scheduler:
             seq.cache_node.locks += hit is None
             seq.cached_pages = len(shared)
             seq.last_snapshot = start
-            if seq.request.num_cached_tokens is None:
+            if seq.request.num_cached_tokens is None:       # a request's first admission: its prompt was looked up
+                cache.stats.prompt_tokens += len(seq.request.prompt_ids)
                 cache.stats.cached_tokens += hit.length if hit is not None else 0
         if seq.request.num_cached_tokens is None:
             seq.request.num_cached_tokens = hit.length if hit is not None else 0

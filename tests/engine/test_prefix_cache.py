@@ -151,6 +151,7 @@ def test_preempted_requests_resume_from_the_cache(model_dir, cold):
     assert run(tight, prompts, greedy(24)) == [cold(p, 24) for p in prompts]
     scheduler = tight.engine.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache.stats.hits > 0     # resumed from the cache
+    assert scheduler.prefix_cache.stats.prompt_tokens == sum(map(len, prompts))      # each looked up once
     assert_idle(scheduler)
 
 

@@ -19,6 +19,8 @@ from .bench.cli import add_commands as add_bench_commands
 from .bench.client import ServerError
 from .config import load_config, parse_config
 from .cookbook.cli import add_commands as add_cookbook_commands
+from .distributed.layout import ParallelLayout
+from .distributed.sharding import shard_bytes
 from .engine.args import BUNDLED_MODEL, EngineArgs
 from .engine.llm import LLM
 from .engine.ranks import is_rank_zero, run_node
@@ -61,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="parameter counts, active parameters and memory, from config.json alone")
     p.add_argument("model", help="model folder, config.json, or a published model: k3, k3.1-pro, kimi-linear-48b")
+    p.add_argument("--tp-size", type=int, default=1, help="also the weights each rank of this layout loads")
+    p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over the TP ranks")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_inspect)
 
@@ -111,11 +115,20 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_args, ServerOptions.from_cli(args, name), args.host, args.port)
 
 
+def _rank_weight_bytes(config, tp: int, ep: int) -> list[int]:
+    """Weight bytes each rank of a TP x EP layout loads, by the engine's sharding rules (bfloat16 where unquantized)."""
+    layout = ParallelLayout(tp, ep)
+    layout.check_model(config)
+    model = build_model(config, torch.bfloat16, device="meta")
+    return [shard_bytes(model, layout.with_rank(r)) for r in range(layout.world_size)]
+
+
 def _inspect(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     report = inspect_config(config)
+    per_rank = _rank_weight_bytes(config, args.tp_size, args.ep_size) if args.tp_size > 1 else None
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
+        print(json.dumps({**report.as_dict(), **({"weight_bytes_per_rank": per_rank} if per_rank else {})}, indent=2))
         return 0
     rows = [
         ("architecture", report.architecture),
@@ -131,6 +144,9 @@ def _inspect(args: argparse.Namespace) -> int:
     rows += [("weights in all", _bytes(sum(report.weight_bytes.values()))),
              ("MLA cache per token (bf16)", f"{report.kv_bytes_per_token:,} B"),
              ("KDA state per sequence (fp32)", _bytes(report.state_bytes_per_sequence))]
+    if per_rank:
+        layout = f"TP{args.tp_size}" + (f" x EP{args.ep_size}" if args.ep_size > 1 else "")
+        rows.append((f"weights per rank ({layout})", ", ".join(_bytes(n) for n in per_rank)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

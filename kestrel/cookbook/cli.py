@@ -17,8 +17,8 @@ from .hardware import CPU, catalog
 from .layout import Layout
 from .ledger import ledger_markdown, ledger_rows
 from .matrix import matrix_markdown, matrix_rows
-from .model import model_choices
-from .planner import DEFAULT_BATCHES, HICACHE_CHOICES, PlanRequest, plan
+from .model import DTYPES, model_choices
+from .planner import DEFAULT_BATCHES, ENGINES, HICACHE_CHOICES, PlanRequest, plan
 from .publish import write_docs
 from .recipes import QUANTS, STRATEGIES, RecipeRequest, base_requests, make_recipe
 from .text import plan_text, recipe_text
@@ -46,6 +46,10 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="k3", help=f"{', '.join(model_choices())}, or a config.json / model folder")
     p.add_argument("--hardware", default="b300", help=_hardware_help())
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: as many as the ranks need)")
+    p.add_argument("--engine", choices=ENGINES, default="sglang",
+                   help="whose pool arithmetic and sharding: SGLang's runtime, or kestrel's engine (what its ranks "
+                        "allocate; TP and EP only)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="unquantized weights and activations")
     for name in ("tp", "dp", "ep", "pp", "dcp"):
         p.add_argument(f"--{name}", type=int, default=8 if name == "tp" else 1,
                        help="DP-attention size" if name == "dp" else None)
@@ -91,7 +95,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
                           skip_decode_lock=args.skip_decode_lock, mode=args.mode, spec=args.spec,
                           draft_tokens=args.draft_tokens, draft_kv_bytes=args.draft_kv_bytes,
                           replay_ssm=args.replay_ssm, replay_cache_len=args.replay_cache_len)
-    return PlanRequest(model=args.model, hardware=args.hardware,
+    return PlanRequest(model=args.model, hardware=args.hardware, dtype=args.dtype, engine=args.engine,
                        layout=Layout(tp=args.tp, dp=args.dp, ep=args.ep, pp=args.pp, dcp=args.dcp), nodes=args.nodes,
                        cache=cache, hicache=args.hicache, avg_request_len=args.avg_request_len,
                        mem_fraction=args.mem_fraction, ratio=args.ratio,

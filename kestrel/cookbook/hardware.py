@@ -128,8 +128,10 @@ def catalog() -> dict[str, Device]:
     return devices
 
 
-def local_cpu() -> Device:
-    """This machine's CPU as a device: its RAM (measured now); bandwidth and throughput unknown."""
+def local_cpu(ranks: int = 1) -> Device:
+    """This machine's CPU as a device for `ranks` engine ranks (kestrel runs them all here, sharing its memory, as
+    kestrel.distributed.launch.ranks_on_node counts them): its RAM (measured now); bandwidth and throughput
+    unknown."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     unknown = "not measured by kestrel"
     facts = {
@@ -142,6 +144,7 @@ def local_cpu() -> Device:
         "devices_per_node": Fact(1, "per machine", "measured", "this machine"),
         "scale_up_domain": Fact(1, "per machine", "measured", "this machine"),
         "native_fp4": Fact(None, "", "unknown", unknown),
+        "ranks_per_device": Fact(ranks, "ranks", "measured", "kestrel's ranks of one CPU instance share the machine"),
     }
     return Device(id=CPU, name="this machine's CPU", vendor="", section="", cuda_names=(), facts=facts)
 

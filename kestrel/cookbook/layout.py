@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .hardware import Device
-from .model import ATTENTION, DENSE, EXPERTS, REPLICATED, VOCAB, ModelFacts
+from .model import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,10 @@ class Layout:
     def attention_tp(self) -> int:
         return self.tp // self.dp
 
-    def divisors(self) -> dict[str, int]:
-        """How many ranks share each sharding class's bytes."""
-        return {EXPERTS: self.tp, ATTENTION: self.attention_tp, DENSE: self.tp, VOCAB: self.attention_tp,
-                REPLICATED: 1}
+    def first_rank(self, engine: str = "sglang") -> FirstRank:
+        """Rank 0 of `engine` ("kestrel" or "sglang") along the sharding axes: the heaviest rank (uneven splits give
+        the first parts more)."""
+        return FirstRank(self.attention_tp, self.tp, self.ep, engine == "sglang")
 
     def stages(self, num_layers: int) -> list[range]:
         """The layers of each pipeline stage."""
@@ -48,6 +48,21 @@ class Layout:
         parts += [f"{name}{size}" for name, size in (("DP", self.dp), ("EP", self.ep), ("PP", self.pp),
                                                      ("DCP", self.dcp)) if size > 1]
         return " x ".join(parts)
+
+
+@dataclass(frozen=True)
+class FirstRank:
+    """Rank 0 of a layout as the engine's sharding rules see it (kestrel.distributed.sharding.Axes): attention and
+    the vocabulary over the attention-TP group, dense MLPs over the TP group, experts by EP and the rest of the TP
+    group. `sglang`: SGLang's runtime, which replicates a few tensors kestrel splits (model.SGLANG_REPLICATED)."""
+
+    attention_tp: int
+    tp: int
+    ep: int
+    sglang: bool
+
+    def axis(self, name: str) -> tuple[int, int]:
+        return 0, {"attn_tp": self.attention_tp, "tp": self.tp, "ep": self.ep, "moe_tp": self.tp // self.ep}[name]
 
 
 def check_layout(layout: Layout, model: ModelFacts) -> None:

@@ -1,33 +1,41 @@
 """What the planner needs to know about a model: its config, parameter counts, and where its weight bytes sit.
 
-Weights are classified by how the parallel layouts the planner models split them (the layouts of SGLang and vLLM
-for this family):
-- `experts`: routed experts; expert parallelism and expert tensor parallelism together span the whole TP group,
-  so each rank holds 1/tp of them.
-- `attention`: KDA and MLA projections split by heads over the attention-TP group (tp / dp).
+A rank's share of every tensor comes from the engine's sharding rules (kestrel.distributed.sharding: the table that
+shapes each rank's model and drives its loader), evaluated for the heaviest rank of a planned layout; so a plan's
+weights per rank are what kestrel's ranks load. Plans of SGLang's runtime take its known differences
+(`sglang_splits`). For the report, bytes are also classified:
+- `experts`: routed experts, split by expert (EP) and by intermediate width (the rest of the TP group).
+- `attention`: KDA and MLA projections split by heads over the attention-TP group (tp / dp), the indexer's query
+  and weight projections included (SGLang replicates those).
 - `dense`: the dense first-layer MLP and the shared experts, split over the TP group.
 - `vocab`: the embedding table and the LM head, split by vocabulary over the attention-TP group.
 - `replicated`: every rank holds a copy: norms, AttnRes mixers, the router, the latent-MoE projections (they act
-  on the full-width latent outside the expert bank), the MLA down-projections and the indexer.
+  on the full-width latent outside the expert bank), the MLA down-projections and the indexer's key projection.
 Each byte also belongs to one layer (or to the first or last pipeline stage), so pipeline stages can be summed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from functools import cache
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import PUBLISHED_CONFIGS, ModelConfig, load_config, parse_config
+from ..distributed.sharding import Split, split_numel, splits_of
 from ..layers.cache import kv_bytes_per_token, state_bytes_per_slot
 from ..models.checkpoint import build_model
 from ..models.inspect import inspect_config
 from ..models.presets import PRESETS, tiny_config
 from .calculator import replayssm_ring_bytes_per_layer
+
+if TYPE_CHECKING:
+    from .layout import FirstRank
 
 EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED = "experts", "attention", "dense", "vocab", "replicated"
 SHARDINGS = (EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED)
@@ -37,6 +45,17 @@ FIRST, LAST = -1, -2
 _REPLICATED_ATTENTION = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "f_a_proj", "o_norm",
                          "indexer.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+SGLANG_REPLICATED = re.compile(r"\.self_attn\.indexer\.")
+"""Tensors kestrel splits but SGLang's runtime replicates: the DSA indexer's projections (as in DeepSeek-V3.2's
+reference model, every rank scores all indexer heads)."""
+
+
+def sglang_splits(name: str) -> tuple[Split, ...]:
+    """SGLang's splits of tensor `name`: kestrel's, but SGLANG_REPLICATED replicated and packed experts split on any
+    row (kestrel keeps whole MXFP4 blocks per rank)."""
+    if SGLANG_REPLICATED.search(name):
+        return ()
+    return tuple(dataclasses.replace(split, unit=1) for split in splits_of(name))
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 SSM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -75,6 +94,27 @@ def _layer_of(name: str) -> int:
     return FIRST if "embed_tokens" in name else LAST
 
 
+@dataclass(frozen=True)
+class TensorFacts:
+    """One weight tensor: where it sits, its sharding class and rules, its full shape and element size."""
+
+    layer: int                   # or FIRST / LAST
+    sharding: str
+    splits: tuple[Split, ...]    # the engine's sharding rule for it (() when replicated)
+    sglang_splits: tuple[Split, ...]    # SGLang's (see sglang_splits)
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def _selected(layer: int, layers: range | None, first: bool, last: bool) -> bool:
+    return (layer == FIRST and first) or (layer == LAST and last) or (layer >= 0 and (layers is None or
+                                                                                       layer in layers))
+
+
 @dataclass(frozen=True, eq=False)
 class ModelFacts:
     """A model's config and byte accounting, independent of any layout. Compared and hashed by identity (one per
@@ -85,7 +125,7 @@ class ModelFacts:
     config: ModelConfig
     total_params: int
     active_params: int
-    weight_bytes: dict[tuple[int, str], int]   # (layer or FIRST/LAST, sharding) -> bytes in the checkpoint's formats
+    tensors: tuple[TensorFacts, ...]           # every weight in the checkpoint's formats (a tied head once)
 
     @property
     def num_layers(self) -> int:
@@ -96,21 +136,43 @@ class ModelFacts:
         """(MLA heads, KDA heads): the attention-TP size must divide both."""
         return self.config.num_attention_heads, self.config.kda_num_heads
 
-    @property
-    def embedding_bytes(self) -> int:
-        """The embedding table (read only a row per token, so decode does not stream it)."""
-        return self.weight_bytes.get((FIRST, VOCAB), 0)
-
     @cache
     def bytes_by_sharding(self, layers: range | None = None, first: bool = True,
                           last: bool = True) -> MappingProxyType[str, int]:
         """Checkpoint bytes per sharding class, of the given layers (all when None) and the first/last extras."""
         totals = dict.fromkeys(SHARDINGS, 0)
-        for (layer, sharding), n in self.weight_bytes.items():
-            if (layer == FIRST and first) or (layer == LAST and last) or (layer >= 0 and (layers is None or
-                                                                                           layer in layers)):
-                totals[sharding] += n
+        for t in self.tensors:
+            if _selected(t.layer, layers, first, last):
+                totals[t.sharding] += t.nbytes
         return MappingProxyType(totals)
+
+    @cache
+    def _groups(self, layers: range | None, first: bool, last: bool,
+                mtp: bool) -> tuple[tuple[TensorFacts, int], ...]:
+        """The selected tensors (and the MTP layers when `mtp`), alike ones counted together (layers repeat the same
+        shapes)."""
+        counts: dict[TensorFacts, int] = {}
+        for t in self.tensors:
+            if _selected(t.layer, layers, first, last) or (mtp and t.layer >= self.num_layers):
+                key = dataclasses.replace(t, layer=0)
+                counts[key] = counts.get(key, 0) + 1
+        return tuple(counts.items())
+
+    @cache
+    def rank_bytes(self, rank: FirstRank, layers: range | None = None, first: bool = True,
+                   last: bool = True) -> MappingProxyType[str, int]:
+        """Bytes per sharding class that `rank` holds of the given layers and first/last extras, by the engine's
+        sharding rules (or SGLang's variant of them, when the rank is SGLang's). kestrel's last stage also holds the
+        MTP layers (its engine loads them); SGLang loads them only for its own drafter."""
+        totals = dict.fromkeys(SHARDINGS, 0)
+        for t, count in self._groups(layers, first, last, last and not rank.sglang):
+            splits = t.sglang_splits if rank.sglang else t.splits
+            totals[t.sharding] += count * split_numel(splits, t.shape, rank) * t.itemsize
+        return MappingProxyType(totals)
+
+    def embedding_bytes(self, rank: FirstRank) -> int:
+        """The rank's share of the embedding table (decode reads a row per token of it, so it does not stream it)."""
+        return self.rank_bytes(rank, range(0), first=True, last=False)[VOCAB]
 
     @cache
     def state_bytes_per_slot(self, ssm: str, layers: range | None = None) -> int:
@@ -197,12 +259,10 @@ def model_facts(name: str, dtype: str = "bf16") -> ModelFacts:
     config = resolve_config(name)
     report = inspect_config(config)
     model = build_model(config, DTYPES[dtype], device="meta")
-    weight_bytes: dict[tuple[int, str], int] = {}
-    for tensor_name, tensor in model.state_dict(keep_vars=True).items():
-        if tensor_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        key = (_layer_of(tensor_name), classify(tensor_name))
-        size = tensor.numel() * tensor.element_size()
-        weight_bytes[key] = weight_bytes.get(key, 0) + size
+    tensors = tuple(TensorFacts(_layer_of(tensor_name), classify(tensor_name), splits_of(tensor_name),
+                                sglang_splits(tensor_name),
+                                tuple(tensor.shape), tensor.element_size())
+                    for tensor_name, tensor in model.state_dict(keep_vars=True).items()
+                    if not (tensor_name == "lm_head.weight" and config.tie_word_embeddings))
     return ModelFacts(name=name, dtype=dtype, config=config, total_params=report.total_params,
-                      active_params=report.active_params, weight_bytes=weight_bytes)
+                      active_params=report.active_params, tensors=tensors)

@@ -15,9 +15,12 @@ from typing import Any
 from .anchors import anchors, calculator_constants
 from .calculator import (CacheSettings, balanced_ratio, kv_bytes_per_token_per_rank, slots_per_request,
                          verify_states, verify_width)
-from .hardware import Device, catalog, get_device
+from ..distributed.layout import ParallelLayout
+from ..engine.args import EngineArgs
+from ..engine.cache.planner import MemoryPlanError, plan_memory
+from .hardware import CPU, Device, catalog, get_device, local_cpu
 from .layout import Layout, NodeLayout, check_layout, node_layout
-from .model import ModelFacts, model_facts
+from .model import DTYPES, KV_DTYPES, SSM_DTYPES, ModelFacts, model_facts
 from .pools import PoolInputs, Pools, size_pools
 from .roofline import DecodeStep, crossover_context, decode_step
 
@@ -147,6 +150,8 @@ def resolve_cache(request: PlanRequest) -> CacheSettings:
     """The request's cache settings with the draft's block size and KV per token defaulted from the anchors'
     draft model."""
     settings = request.cache
+    if request.engine == "kestrel":       # its KV layout; a running request holds one state slot
+        settings = replace(settings, kv_layout="kestrel", radix_strategy="off")
     if settings.spec != "none":
         draft = draft_model(request.model, settings.spec)
         if draft is None and (settings.draft_tokens == 0 or settings.draft_kv_bytes is None):
@@ -180,11 +185,10 @@ def _check_request(request: PlanRequest) -> None:
         raise ValueError("every --batch size must be at least 1.")
 
 
-def _stage_weights(model: ModelFacts, layout: Layout) -> list[dict[str, int]]:
+def _stage_weights(model: ModelFacts, layout: Layout, engine: str) -> list[dict[str, int]]:
     """Weight bytes per rank by sharding class, for each pipeline stage."""
     stages = layout.stages(model.num_layers)
-    divisors = layout.divisors()
-    return [{k: v // divisors[k] for k, v in model.bytes_by_sharding(stage, s == 0, s == len(stages) - 1).items()}
+    return [dict(model.rank_bytes(layout.first_rank(engine), stage, s == 0, s == len(stages) - 1))
             for s, stage in enumerate(stages)]
 
 
@@ -215,6 +219,8 @@ def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, sta
     """The tightest stage's pools (fewest admitted requests, then fewest tokens). Every stage charges the largest
     stage's state per slot, as SGLang does (kv_cache_configurator._handle_max_mamba_cache)."""
     layout = request.layout
+    if request.engine == "kestrel":
+        return _kestrel_pools(request, model, sum(stage_weights[0].values()), memory_per_rank, ratio)
     stages = layout.stages(model.num_layers)
     budget = int(memory_per_rank * request.mem_fraction)
     # A model without KDA layers needs no state memory: one byte per slot stands for "free".
@@ -230,29 +236,59 @@ def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, sta
                             context_len=model.config.max_position_embeddings, dp=layout.dp,
                             max_running_requests=_max_running(request, settings),
                             max_mamba_cache_size=request.max_mamba_cache_size,
-                            radix_disabled=settings.radix_strategy == "off",
-                            padding_slot=request.engine == "sglang")
+                            radix_disabled=settings.radix_strategy == "off")
         results.append(size_pools(inputs))
     return min(results, key=lambda p: (p.max_running_requests, p.kv_tokens))
 
 
+def kestrel_args(request: PlanRequest, ratio: float) -> EngineArgs:
+    """The engine arguments of kestrel's ranks under `request` (the command its recipe prints)."""
+    layout = request.layout
+    return EngineArgs(model=request.model, device="cpu" if request.hardware == CPU else "cuda",
+                      mem_fraction_static=request.mem_fraction, mamba_full_memory_ratio=ratio,
+                      max_mamba_cache_size=request.max_mamba_cache_size,
+                      max_running_requests=request.max_running_requests, tp_size=layout.tp, ep_size=layout.ep,
+                      dp_size=layout.dp, enable_dp_attention=layout.dp > 1, dcp_size=layout.dcp, pp_size=layout.pp)
+
+
+def check_kestrel_layout(request: PlanRequest, model: ModelFacts) -> ParallelLayout:
+    """The engine's own layout checks (a ValueError for parallelism it does not run or a model it cannot split)."""
+    layout = ParallelLayout.from_args(kestrel_args(request, 1.0))
+    layout.check_model(model.config)
+    return layout
+
+
+def _kestrel_pools(request: PlanRequest, model: ModelFacts, weight_bytes: int, memory_per_rank: int,
+                   ratio: float) -> Pools:
+    """The pools kestrel's engine allocates on each rank: its own planner (kestrel.engine.cache.planner) on the
+    rank's shard; S = 1 (a running request holds one state slot)."""
+    settings = request.cache
+    config = check_kestrel_layout(request, model).cache_config(model.config)
+    try:
+        memory_plan = plan_memory(config, kestrel_args(request, ratio), weight_bytes, memory_per_rank,
+                                  DTYPES[model.dtype], SSM_DTYPES[settings.ssm_dtype], KV_DTYPES[settings.kv_dtype])
+    except MemoryPlanError:
+        return Pools(int(memory_per_rank * request.mem_fraction) - weight_bytes, 0, 0, 0)
+    return Pools(memory_plan.budget - weight_bytes, memory_plan.num_slots, memory_plan.kv_tokens,
+                 memory_plan.max_running_requests)
+
+
 def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_fraction: float, avg_request_len: int,
-                draft_bytes: int) -> int | None:
+                draft_bytes: int, engine: str = "sglang") -> int | None:
     """The fewest devices that hold the weights (tensor parallelism, DP attention beyond the head count) and one
     request of avg_request_len; None when the device's memory is unknown or no count up to the search limit does."""
     memory = device.memory_bytes
     if memory is None:
         return None
     heads = math.gcd(*model.attention_heads)
-    totals = model.bytes_by_sharding()
     budget = memory // device.ranks_per_device * mem_fraction
     slots, verify = slots_per_request(settings), verify_states(settings)
     kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, row_scales=settings.row_scales), 1,
                                      settings)
     for ranks in range(1, MAX_DEVICES_SEARCHED + 1):
         attention_tp = math.gcd(ranks, heads)
-        divisors = Layout(tp=ranks, dp=ranks // attention_tp).divisors()
-        rest = budget - sum(v / divisors[k] for k, v in totals.items()) - draft_bytes
+        weights = model.rank_bytes(Layout(tp=ranks, dp=ranks // attention_tp).first_rank(engine))
+        rest = budget - sum(weights.values()) - draft_bytes
         if rest <= 0:
             continue
         state = model.state_bytes_per_slot(settings.ssm_dtype) // attention_tp
@@ -315,13 +351,18 @@ def _spec_notes(request: PlanRequest, settings: CacheSettings) -> list[str]:
 
 
 def _notes(request: PlanRequest, settings: CacheSettings, model: ModelFacts) -> list[str]:
-    notes = ["pools are upper bounds: SGLang also subtracts CUDA graphs, activations and communication buffers, "
+    kestrel = request.engine == "kestrel"
+    notes = ["pools: kestrel's own planner (kestrel/engine/cache/planner.py) on the heaviest rank's shard, as its "
+             "ranks size them (they agree on the smallest); activations are not counted" if kestrel else
+             "pools are upper bounds: SGLang also subtracts CUDA graphs, activations and communication buffers, "
              "which the planner does not model",
              "memory per device: " + ("given" if request.memory_bytes else "the vendor datasheet's figure (one basis "
                                       "for every device; measured figures are alternatives in the catalog)"),
-             "weights: routed experts in the checkpoint's format (MXFP4 for K3), everything else bf16/fp32; "
-             "experts, dense MLPs and shared experts split over TP, attention over attention TP, the vocabulary over "
-             "attention TP, the rest replicated"]
+             "weights per rank by kestrel's sharding rules (kestrel/distributed/sharding.py), rank 0's share: routed "
+             "experts in the checkpoint's format (MXFP4 for K3) split by EP and the rest of the TP group, dense MLPs "
+             "and shared experts over TP, attention heads and the vocabulary over attention TP, the rest replicated"
+             + ("" if kestrel else "; as SGLang runs them, the indexer's projections replicated and expert widths "
+                                   "split on any row")]
     notes += [n for n in [_kv_note(settings, model)] if n]
     notes += _spec_notes(request, settings)
     if request.layout.dp > 1:
@@ -354,14 +395,16 @@ def plan(request: PlanRequest) -> Plan:
     """Plan `request` (see the module docstring); raises ValueError for bad input or an impossible layout.
     Plans are cached per request: treat them as read-only."""
     _check_request(request)
-    device = get_device(request.hardware)
-    model = model_facts(request.model, request.dtype)
     layout = request.layout
+    device = local_cpu(layout.world) if request.hardware == CPU else get_device(request.hardware)
+    model = model_facts(request.model, request.dtype)
     check_layout(layout, model)
+    if request.engine == "kestrel":
+        check_kestrel_layout(request, model)
     settings = resolve_cache(request)
     nodes = node_layout(layout, device, request.nodes)
 
-    stage_weights = _stage_weights(model, layout)
+    stage_weights = _stage_weights(model, layout, request.engine)
     draft_bytes = _draft_bytes(request, settings)
     for weights in stage_weights:
         weights["draft"] = draft_bytes or 0
@@ -385,9 +428,11 @@ def plan(request: PlanRequest) -> Plan:
     bandwidth_per_rank = None if bandwidth is None else bandwidth / device.ranks_per_device
     tokens_per_sequence = verify_width(settings)
     context = request.context or request.avg_request_len
-    steps = [decode_step(model, layout, settings, bandwidth_per_rank, nodes.devices, b, context, tokens_per_sequence)
+    steps = [decode_step(model, layout, settings, bandwidth_per_rank, nodes.devices, b, context, tokens_per_sequence,
+                         engine=request.engine)
              for b in request.batches]
-    others = {d.id: min_devices(model, d, settings, request.mem_fraction, request.avg_request_len, draft_bytes or 0)
+    others = {d.id: min_devices(model, d, settings, request.mem_fraction, request.avg_request_len, draft_bytes or 0,
+                                request.engine)
               for d in catalog().values()} if request.compare_devices else {}
     return Plan(request=request, model=model, device=device, nodes=nodes, weight_bytes_per_rank=heaviest,
                 kv_bytes_per_token=kv_bytes, kv_bytes_per_token_per_rank=kv_rank,

@@ -9,8 +9,8 @@ rest = memory x mem_fraction - weights. The state pool holds K slots per attenti
   admitted request share the budget: K = (budget - state x (1 + D)) // (state x (1 + D / S)).
 The verify states take state x (admitted + 1) x D; the K slots take (K + 1) slots (the pool's padding slot); the KV
 pool gets the rest. A worker admits min(--max-running-requests // dp (else 2,048-4,096 by token capacity),
-tokens // 2, K // S) requests. kestrel's own engine (kestrel/engine/cache/planner.py) has no padding slot:
-K = budget // slot.
+tokens // 2, K // S) requests. Plans of kestrel's own engine call its planner instead
+(kestrel/engine/cache/planner.py, through planner.py).
 Runtime overheads SGLang subtracts as well (CUDA graphs, activations, communication buffers) are not modelled, so
 the pools here are upper bounds.
 """
@@ -36,7 +36,6 @@ class PoolInputs:
     max_running_requests: int | None = None
     max_mamba_cache_size: int | None = None
     radix_disabled: bool = False
-    padding_slot: bool = True         # SGLang allocates one extra slot (and verify row); kestrel's engine does not
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ def _per_worker(count: int | None, dp: int) -> int | None:
 
 def _verify_bytes(inputs: PoolInputs, requests: int) -> int:
     """The verify states of `requests` admitted requests plus the padding row."""
-    return inputs.state_bytes * (requests + inputs.padding_slot) * inputs.verify_states
+    return inputs.state_bytes * (requests + 1) * inputs.verify_states
 
 
 def _capped_requests(inputs: PoolInputs, slots: int) -> int:
@@ -82,7 +81,7 @@ def state_slots(inputs: PoolInputs) -> tuple[int, int]:
         slots = int((budget - inputs.state_bytes * (1 + d)) // (inputs.state_bytes * (1 + d / s)))
         return slots, _verify_bytes(inputs, _capped_requests(inputs, slots))
     slot = inputs.state_bytes + inputs.ring_bytes
-    return int((budget - inputs.padding_slot * slot) // slot), 0
+    return int((budget - slot) // slot), 0
 
 
 def admitted_requests(inputs: PoolInputs, slots: int, kv_tokens: int) -> int:
@@ -99,6 +98,6 @@ def size_pools(inputs: PoolInputs) -> Pools:
         return Pools(inputs.rest_bytes, 0, 0, 0)
     slots, verify = state_slots(inputs)
     slots = max(slots, 0)
-    state = (slots + inputs.padding_slot) * (inputs.state_bytes + inputs.ring_bytes)
+    state = (slots + 1) * (inputs.state_bytes + inputs.ring_bytes)
     kv_tokens = max(int((inputs.rest_bytes - verify - state) // inputs.kv_bytes_per_token), 0)
     return Pools(inputs.rest_bytes, slots, kv_tokens, admitted_requests(inputs, slots, kv_tokens))

@@ -9,7 +9,7 @@ with its reason; vLLM and kestrel may refuse a recipe SGLang offers, each with i
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..engine.args import BUNDLED_MODEL
@@ -119,29 +119,53 @@ def _cpu_model(model: str) -> tuple[str, str, list[str]]:
     return model, folder, [f"kestrel random-model {model} --out {folder}"]
 
 
+def _kestrel_rules() -> dict[str, Any]:
+    return anchors()["kestrel"]
+
+
+def _hicache_flags(hicache: str) -> list[str]:
+    return [] if hicache == "off" else [_kestrel_rules()["hicache_flags"][hicache]]
+
+
+def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, extra: list[str]) -> str:
+    """The `kestrel serve` line that runs kestrel_plan (its layout, memory fraction, ratio and cache dtypes)."""
+    request, cache = kestrel_plan.request, kestrel_plan.request.cache
+    layout = request.layout
+    parts = ["kestrel serve", f"--model {folder}", f"--device {device}"]
+    if device == "cpu":
+        parts.append("--dtype float32")
+    if layout.tp > 1:
+        parts.append(f"--tp-size {layout.tp}")
+    if layout.ep > 1:
+        parts.append(f"--ep-size {layout.ep}")
+    parts += [f"--mem-fraction-static {request.mem_fraction}", f"--mamba-full-memory-ratio {ratio}",
+              f"--mamba-ssm-dtype {'float32' if cache.ssm_dtype == 'fp32' else 'bfloat16'}",
+              f"--kv-cache-dtype {'fp8_e4m3' if cache.kv_dtype == 'fp8' else 'auto'}"]
+    if request.max_running_requests is not None:
+        parts.append(f"--max-running-requests {request.max_running_requests}")
+    return " ".join([*parts, *extra])
+
+
 def _kestrel_cpu(request: RecipeRequest) -> Recipe:
     """kestrel on this machine's CPU, one device: the bundled model, or a random checkpoint of a tiny preset."""
-    rules = anchors()["kestrel"]
+    rules = _kestrel_rules()
     if request.model not in rules["cpu_models"]:
         raise RecipeRefused(f"CPU recipes serve the tiny models ({', '.join(rules['cpu_models'])}); "
                             f"{request.model} does not fit a CPU machine (see `kestrel plan`).")
     if request.mode != "unified" or request.strategy != "low-latency":
         raise RecipeRefused("a CPU recipe is one device: Unified mode, low-latency strategy.")
-    for option, value in (("spec", request.spec), ("hicache", request.hicache)):
-        if value not in ("none", "off"):
-            raise RecipeRefused(rules["unsupported"][option] + ".")
+    if request.spec != "none":
+        raise RecipeRefused(rules["unsupported"]["spec"] + ".")
     if request.quant is not None:
         raise RecipeRefused("the tiny models keep their formats; drop --quant.")
     plan_model, folder, prepare = _cpu_model(request.model)
-    fraction = rules["cpu_mem_fraction"]
     cpu_plan = plan(PlanRequest(model=plan_model, hardware=CPU, dtype="fp32", layout=Layout(tp=1),
-                                cache=CacheSettings(kv_dtype="fp32", kv_layout="kestrel", radix_strategy="off"),
-                                avg_request_len=request.avg_request_len, mem_fraction=fraction, batches=(1, 8),
-                                engine="kestrel"))
+                                cache=CacheSettings(kv_dtype="fp32"), hicache=request.hicache,
+                                avg_request_len=request.avg_request_len, mem_fraction=rules["cpu_mem_fraction"],
+                                batches=(1, 8), engine="kestrel"))
     ratio = ratio_text(cpu_plan.ratio)
-    lines = [*prepare, f"kestrel serve --model {folder} --device cpu --dtype float32 --mem-fraction-static {fraction} "
-                       f"--mamba-full-memory-ratio {ratio} --mamba-ssm-dtype float32 --kv-cache-dtype auto"]
-    notes = [rules["unsupported"]["radix"],
+    lines = [*prepare, _kestrel_serve(folder, "cpu", cpu_plan, ratio, _hicache_flags(request.hicache))]
+    notes = [rules["radix_note"],
              "the bundled model, trained; `kestrel verify` checks it by its held-out perplexity"
              if not prepare else "random weights: a smoke test of the serving path, not a model"]
     refusal = "SGLang and vLLM publish no CPU recipe for this family"
@@ -168,6 +192,41 @@ def _recipe_notes(cell: sglang_recipe.SGLangCell, request: RecipeRequest) -> lis
     return notes
 
 
+def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_plan: Plan) -> EngineCommand:
+    """kestrel's command for the SGLang cell's layout and memory settings, planned by kestrel's own engine
+    arithmetic; RecipeRefused when kestrel cannot run it (the reason names what is missing)."""
+    rules = _kestrel_rules()
+    hardware = anchors()["hardware"][cell.hardware_key]
+    quant = request.quant or sglang_recipe.default_quant(request.hardware)
+    refusals = [(hardware["family"] != "nvidia", rules["unsupported"]["hardware"].format(hardware=request.hardware)),
+                (request.mode != "unified", rules["unsupported"]["mode"]),
+                (request.spec != "none", rules["unsupported"]["spec"]),
+                (quant != "mxfp4", rules["unsupported"]["quant"].format(quant=quant))]
+    for refused, reason in refusals:
+        if refused:
+            raise RecipeRefused(reason + ".")
+    planned = sglang_plan.request
+    try:
+        kestrel_plan = plan(replace(planned, engine="kestrel", max_mamba_cache_size=None, compare_devices=False))
+    except ValueError as e:
+        raise RecipeRefused(f"kestrel's engine cannot run {planned.layout.describe()}: {str(e).rstrip('.')}.") from e
+    if not kestrel_plan.fits:
+        raise RecipeRefused(f"kestrel's plan of {planned.layout.describe()} does not fit: {kestrel_plan.fit_reason}.")
+    ratio = ratio_text(kestrel_plan.ratio)
+    folder = f"models/{cell.model_path.rsplit('/', 1)[-1]}"
+    extra = [*_hicache_flags(request.hicache), f"--host 0.0.0.0 --port {rules['port']}"]
+    if cell.nodes > 1:
+        extra.append(anchors()["sglang"]["multinode_flags"].format(nodes=cell.nodes))
+    pools = kestrel_plan.pools
+    summary = (f"kestrel's plan per rank: {kestrel_plan.weight_bytes_per_rank_total / 1e9:.1f} GB of weights, "
+               f"{pools.state_slots:,} state slots, {pools.kv_tokens:,} KV tokens (ratio {ratio}, S = 1)")
+    return EngineCommand(lines=[rules["download"].format(hf=cell.model_path, folder=folder),
+                                _kestrel_serve(folder, "cuda", kestrel_plan, ratio, extra)],
+                         strategy=f"{planned.layout.describe()} on {cell.nodes} x {cell.per_node}",
+                         notes=[summary, rules["radix_note"], rules["gpu_note"]]
+                         + (["run the same command on every node with its own --node-rank"] if cell.nodes > 1 else []))
+
+
 def make_recipe(request: RecipeRequest) -> Recipe:
     """The recipe for `request`; RecipeRefused (a ValueError) when the anchors do not offer it."""
     request.check()
@@ -176,8 +235,12 @@ def make_recipe(request: RecipeRequest) -> Recipe:
     cell = sglang_recipe.compose(request)
     recipe_plan = plan(sglang_recipe.plan_request(cell, request))
     ratio = ratio_text(recipe_plan.ratio)
-    commands = {"sglang": _sglang_command(cell, request, ratio)}
-    refusals = {"kestrel": anchors()["kestrel"]["single_device_refusal"].format(devices=recipe_plan.nodes.devices)}
+    commands, refusals = {}, {}
+    try:
+        commands["kestrel"] = _kestrel_gpu(cell, request, recipe_plan)
+    except RecipeRefused as refused:
+        refusals["kestrel"] = str(refused).rstrip(".")
+    commands["sglang"] = _sglang_command(cell, request, ratio)
     try:
         vllm = vllm_recipe.compose(request, cell)
         commands["vllm"] = EngineCommand(lines=vllm.lines, strategy=vllm.strategy, notes=vllm.notes)

@@ -2,10 +2,11 @@
 
 One step of `batch` sequences at `context` tokens, each verifying `tokens_per_sequence` tokens (1 without
 speculation), reads on each rank:
-- weights: its share of every weight the step uses (the embedding table is not read, only B rows of it); of the
-  routed experts only those the step's tokens touch: E x (1 - (1 - k/E)^T) per layer for T tokens under balanced
-  routing. `assumptions="most_favourable"` instead takes the fewest bytes any engine could read: k experts per
-  layer (every token on the same experts) and every weight split evenly over the TP group, nothing replicated;
+- weights: its share of every weight the step uses (the heaviest rank's, by the engine's sharding rules; the
+  embedding table is not read, only B rows of it); of the routed experts only those the step's tokens touch:
+  E x (1 - (1 - k/E)^T) per layer for T tokens under balanced routing. `assumptions="most_favourable"` instead
+  takes the fewest bytes any engine could read: k experts per layer (every token on the same experts) and every
+  weight split evenly over the TP group, nothing replicated;
 - KV: the MLA latents of every cached token (K3), or, with K3.1's indexer, the indexer keys of every cached token
   plus the latents of the top-k selected ones; DCP splits both, the TP ranks of a group each read all of it;
 - KDA state: each sequence's state, read and written once.
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from .calculator import CacheSettings
 from .layout import Layout
-from .model import EXPERTS, SHARDINGS, VOCAB, ModelFacts
+from .model import EXPERTS, VOCAB, ModelFacts
 
 ASSUMPTIONS = ("planner", "most_favourable")
 
@@ -59,20 +60,20 @@ def experts_touched(tokens: int, experts: int, top_k: int, assumptions: str = "p
 
 
 def _stage_weight_bytes(model: ModelFacts, layout: Layout, stage: range, first: bool, last: bool,
-                        expert_share: float, assumptions: str) -> int:
+                        expert_share: float, assumptions: str, engine: str) -> int:
     """Weight bytes one rank of this stage reads in a step (experts scaled by the touched share)."""
-    divisors = layout.divisors() if assumptions == "planner" else dict.fromkeys(SHARDINGS, layout.tp)
-    read = dict(model.bytes_by_sharding(stage, first, last))
+    rank, parts = ((layout.first_rank(engine), 1) if assumptions == "planner"
+                   else (Layout(tp=1).first_rank(engine), layout.tp))
+    read = dict(model.rank_bytes(rank, stage, first, last))
     if first:
-        read[VOCAB] -= model.embedding_bytes
-    return int(sum(n * (expert_share if sharding == EXPERTS else 1.0) / divisors[sharding]
-                   for sharding, n in read.items()))
+        read[VOCAB] -= model.embedding_bytes(rank)
+    return int(sum(n * (expert_share if sharding == EXPERTS else 1.0) for sharding, n in read.items()) / parts)
 
 
 def decode_step(model: ModelFacts, layout: Layout, settings: CacheSettings, bandwidth_per_rank: float | None,
                 devices: int, batch: int, context: int, tokens_per_sequence: int = 1,
-                assumptions: str = "planner") -> DecodeStep:
-    """Bytes and bounds of one decode step (see the module docstring)."""
+                assumptions: str = "planner", engine: str = "sglang") -> DecodeStep:
+    """Bytes and bounds of one decode step of `engine`'s ranks (see the module docstring)."""
     if batch < 1 or context < 1 or tokens_per_sequence < 1:
         raise ValueError("batch, context and tokens per sequence must each be at least 1.")
     config = model.config
@@ -83,7 +84,8 @@ def decode_step(model: ModelFacts, layout: Layout, settings: CacheSettings, band
     stages = layout.stages(model.num_layers)
     per_stage = []
     for s, stage in enumerate(stages):
-        weights = _stage_weight_bytes(model, layout, stage, s == 0, s == len(stages) - 1, expert_share, assumptions)
+        weights = _stage_weight_bytes(model, layout, stage, s == 0, s == len(stages) - 1, expert_share, assumptions,
+                                      engine)
         latent = model.latent_bytes_per_token(settings.kv_dtype, stage, settings.row_scales)
         kv = sequences * selected * latent / layout.dcp
         keys = sequences * context * model.index_key_bytes_per_token(settings.kv_dtype, stage,

@@ -38,6 +38,7 @@ from ..models.checkpoint import build_model, save_model
 from ..models.init import init_weights
 from ..models.presets import tiny_config
 from .evidence import DEFAULT_EVIDENCE_DIR, Record, fingerprint, git_state, now, software_versions, write_record
+from .hardware import CPU
 from .recipes import Recipe, RecipeRequest, make_recipe
 
 ACCURACY_CHECK = "heldout_perplexity"
@@ -73,6 +74,9 @@ def runnable_recipe(recipe_id: str) -> Recipe:
     recipe = make_recipe(RecipeRequest.from_id(recipe_id))
     if "kestrel" not in recipe.commands:
         raise ValueError(f"recipe {recipe_id} has no kestrel command to run: {recipe.refusals['kestrel']}.")
+    if recipe.request.hardware != CPU:
+        raise ValueError(f"kestrel verify runs the CPU recipes, and {recipe_id} is a GPU recipe; benchmarks/gpu/run.py "
+                         "records a GPU machine's evidence.")
     hardware_id, _ = fingerprint()
     if hardware_id != recipe.request.hardware:
         raise ValueError(f"recipe {recipe_id} is for {recipe.request.hardware} but this machine is {hardware_id}.")

@@ -75,9 +75,10 @@ class ParallelLayout:
         return self.tp_rank % self.moe_tp_size
 
     def axis(self, name: str) -> tuple[int, int]:
-        """(this rank's index, parts) along a sharding axis: "tp", "ep" or "moe_tp"."""
-        return {"tp": (self.tp_rank, self.tp_size), "ep": (self.ep_rank, self.ep_size),
-                "moe_tp": (self.moe_tp_rank, self.moe_tp_size)}[name]
+        """(this rank's index, parts) along a sharding axis: "attn_tp" (attention's TP group: the whole TP group,
+        as there is no DP attention), "tp", "ep" or "moe_tp"."""
+        return {"attn_tp": (self.tp_rank, self.tp_size), "tp": (self.tp_rank, self.tp_size),
+                "ep": (self.ep_rank, self.ep_size), "moe_tp": (self.moe_tp_rank, self.moe_tp_size)}[name]
 
     def with_rank(self, rank: int) -> ParallelLayout:
         return dataclasses.replace(self, rank=rank)

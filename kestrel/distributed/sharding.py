@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,9 +21,18 @@ from torch import nn
 from .layout import MXFP4_BLOCK, ParallelLayout, partition
 
 
+class Axes(Protocol):
+    """A rank's place along the sharding axes: the engine's ParallelLayout, or a planned layout (the cookbook's)."""
+
+    def axis(self, name: str) -> tuple[int, int]:
+        """(this rank's index, parts) along "attn_tp", "tp", "ep" or "moe_tp"."""
+
+
 @dataclass(frozen=True)
 class Split:
-    """Dim `dim` of a tensor is split over layout axis `axis` ("tp", "ep", "moe_tp") in whole units of `unit`."""
+    """Dim `dim` of a tensor is split over layout axis `axis` ("attn_tp", "tp", "ep", "moe_tp") in whole units of
+    `unit`. Attention and the vocabulary split over the attention-TP group, dense MLPs and shared experts over the
+    whole TP group (the two differ only under DP attention, which the cookbook plans for SGLang)."""
 
     dim: int
     axis: str
@@ -30,19 +40,20 @@ class Split:
 
 
 _COLUMN, _ROW = (Split(0, "tp"),), (Split(1, "tp"),)
+_HEADS, _HEADS_IN = (Split(0, "attn_tp"),), (Split(1, "attn_tp"),)
 _EXPERT_ROWS = lambda unit: (Split(0, "ep"), Split(1, "moe_tp", unit))     # noqa: E731  [E, I, ...]
 _EXPERT_COLS = lambda unit: (Split(0, "ep"), Split(2, "moe_tp", unit))     # noqa: E731  [E, D, I...]
 
 RULES: list[tuple[str, tuple[Split, ...]]] = [
     # KDA (heads): q/k/v/gate/beta projections, short convs, decay parameters; MLA: query and kv_b head projections
-    (r"self_attn\.(q|k|v|g|f_b|g_b|b|q_b|kv_b)_proj\.weight$", _COLUMN),
-    (r"self_attn\.[qkv]_conv1d\.weight$", _COLUMN),
-    (r"self_attn\.(A_log|dt_bias)$", _COLUMN),
-    (r"self_attn\.indexer\.(wq_b|weights_proj)\.weight$", _COLUMN),       # indexer heads; wk, k_norm replicated
-    (r"self_attn\.o_proj\.weight$", _ROW),                                  # row-parallel outputs
+    (r"self_attn\.(q|k|v|g|f_b|g_b|b|q_b|kv_b)_proj\.weight$", _HEADS),
+    (r"self_attn\.[qkv]_conv1d\.weight$", _HEADS),
+    (r"self_attn\.(A_log|dt_bias)$", _HEADS),
+    (r"self_attn\.indexer\.(wq_b|weights_proj)\.weight$", _HEADS),        # indexer heads; wk, k_norm replicated
+    (r"self_attn\.o_proj\.weight$", _HEADS_IN),                             # row-parallel outputs
     (r"(\.mlp|\.shared_experts)\.(gate|up)_proj\.weight$", _COLUMN),        # dense MLP and shared experts
     (r"(\.mlp|\.shared_experts)\.down_proj\.weight$", _ROW),
-    (r"(^|\.)(embed_tokens|lm_head|shared_head\.head)\.weight$", _COLUMN),  # vocabulary
+    (r"(^|\.)(embed_tokens|lm_head|shared_head\.head)\.weight$", _HEADS),   # vocabulary
     (r"\.experts\.(w1|w3)$", _EXPERT_ROWS(1)),                              # routed experts: dense [E, I, D]
     (r"\.experts\.w2$", _EXPERT_COLS(1)),                                   # [E, D, I]
     (r"\.experts\.(w1|w3)_(packed|scale)$", _EXPERT_ROWS(MXFP4_BLOCK)),     # MXFP4 [E, I, D/2], [E, I, D/32]
@@ -60,16 +71,29 @@ def splits_of(name: str) -> tuple[Split, ...]:
     return ()
 
 
-def local_slices(name: str, shape: tuple[int, ...], layout: ParallelLayout) -> tuple[slice, ...]:
-    """This rank's slice of the full tensor `name` of `shape`, one slice per dim."""
+def split_slices(splits: tuple[Split, ...], shape: tuple[int, ...], layout: Axes) -> tuple[slice, ...]:
+    """The rank's slice, one per dim, of a full tensor of `shape` split by `splits`."""
     slices = [slice(None)] * len(shape)
-    for split in splits_of(name):
+    for split in splits:
         index, parts = layout.axis(split.axis)
         slices[split.dim] = slice(*partition(shape[split.dim], parts, index, split.unit))
     return tuple(slices)
 
 
-def local_shape(name: str, shape: tuple[int, ...], layout: ParallelLayout) -> tuple[int, ...]:
+def split_numel(splits: tuple[Split, ...], shape: tuple[int, ...], layout: Axes) -> int:
+    """Elements of the rank's slice of a full tensor of `shape` split by `splits`."""
+    numel = 1
+    for s, n in zip(split_slices(splits, shape, layout), shape):
+        numel *= len(range(*s.indices(n)))
+    return numel
+
+
+def local_slices(name: str, shape: tuple[int, ...], layout: Axes) -> tuple[slice, ...]:
+    """This rank's slice of the full tensor `name` of `shape`, one slice per dim."""
+    return split_slices(splits_of(name), shape, layout)
+
+
+def local_shape(name: str, shape: tuple[int, ...], layout: Axes) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(n))) for s, n in zip(local_slices(name, shape, layout), shape))
 
 
@@ -93,7 +117,7 @@ def shard_model_(model: nn.Module, layout: ParallelLayout) -> nn.Module:
     return model
 
 
-def shard_bytes(model: nn.Module, layout: ParallelLayout) -> int:
+def shard_bytes(model: nn.Module, layout: Axes) -> int:
     """Bytes of the weights rank layout.rank holds, from the full model (any device, meta included)."""
     seen: set[int] = set()
     total = 0
@@ -101,8 +125,5 @@ def shard_bytes(model: nn.Module, layout: ParallelLayout) -> int:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        numel = 1
-        for n in local_shape(name, tuple(tensor.shape), layout):
-            numel *= n
-        total += numel * tensor.element_size()
+        total += split_numel(splits_of(name), tuple(tensor.shape), layout) * tensor.element_size()
     return total

@@ -66,3 +66,20 @@ def test_matrix_prints_both_tables(capsys, tmp_path):
     assert out.startswith("# Verification matrix") and "# Claims ledger" in out
     assert run("matrix", "--evidence-dir", str(tmp_path), "--write", str(tmp_path / "docs")) == 0
     assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["claims.md", "hardware.md", "matrix.md"]
+
+
+def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):
+    """`kestrel inspect --tp-size 2 --ep-size 2` and `kestrel plan --engine kestrel` agree on the bundled model's
+    heaviest rank (its 96-wide MXFP4 experts split 64 + 32 would not be even; EP2 splits whole experts)."""
+    from kestrel.cli import main
+    from kestrel.engine.args import BUNDLED_MODEL
+
+    assert main(["inspect", str(BUNDLED_MODEL), "--tp-size", "2", "--ep-size", "2", "--json"]) == 0
+    per_rank = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]
+    assert run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--ep", "2", "--engine",
+               "kestrel", "--batch", "1", "--json") == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert max(per_rank) == per_rank[0] == planned["weight_bytes_per_rank_total"]
+    with pytest.raises(ValueError, match="pp_size > 1 is not supported yet"):
+        run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--pp", "2", "--engine",
+            "kestrel")

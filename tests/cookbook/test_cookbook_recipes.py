@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from kestrel.cookbook.calculator import ratio_text
 from kestrel.cookbook.flags import flag_value, has_flag, parse_flags, render_flags
+from kestrel.cookbook.planner import plan
 from kestrel.cookbook.recipes import RecipeRequest, base_requests, make_recipe
 from kestrel.cookbook.sglang_recipe import RecipeRefused
 
@@ -27,8 +31,36 @@ def test_b300_balanced_is_the_pages_cell_with_the_ratio_pinned():
     assert r.sglang_status == "Verified" and r.lane == "balanced"
     assert "--tensor-parallel-size 8" in r.commands["vllm"].lines[0]
     assert r.commands["vllm"].strategy == "single_node_tp"
-    assert "8 devices" in r.refusals["kestrel"]
+    assert r.refusals["kestrel"] == ("kestrel's engine cannot run TP8 x DCP8: dcp_size > 1 is not supported yet; "
+                                     "kestrel runs tensor and expert parallelism (--tp-size, --ep-size)")
     assert (r.nodes, r.per_node) == (1, 8)
+
+
+def test_kestrel_commands_for_the_layouts_its_engine_runs():
+    """TP (one node), TP x EP over two nodes; the pools its command pins come from kestrel's engine arithmetic."""
+    tp8 = recipe("k3/b300/unified/low-latency").commands["kestrel"]
+    assert tp8.lines == ["huggingface-cli download moonshotai/Kimi-K3 --local-dir models/Kimi-K3",
+                         "kestrel serve --model models/Kimi-K3 --device cuda --tp-size 8 --mem-fraction-static 0.85 "
+                         "--mamba-full-memory-ratio 0.18 --mamba-ssm-dtype float32 --kv-cache-dtype auto "
+                         "--host 0.0.0.0 --port 30000"]
+    h200 = recipe("k3/h200/unified/low-latency")
+    line = h200.commands["kestrel"].lines[1]
+    assert "--tp-size 16 --ep-size 16" in line
+    assert line.endswith("--nnodes 2 --node-rank <rank> --dist-init-addr <head-node-ip>:5000")
+    ours = plan(replace(h200.plan.request, engine="kestrel", compare_devices=False))
+    assert f"--mamba-full-memory-ratio {ratio_text(ours.ratio)}" in line
+    assert f"{ours.pools.state_slots:,} state slots, {ours.pools.kv_tokens:,} KV tokens" in h200.commands[
+        "kestrel"].notes[0]
+
+
+@pytest.mark.parametrize("recipe_id,reason", [
+    ("k3/b200/unified/low-latency", "cannot run TP8 x PP2: pp_size > 1 is not supported yet"),
+    ("k3/b300/decode/low-latency", "no prefill or decode role"),
+    ("k3/b300/unified/low-latency,spec=mtp", "not with a separate DSPARK or DFLASH draft model"),
+    ("k3/b300/unified/low-latency,quant=nvfp4", "not nvfp4"),
+    ("k3/mi355x/unified/balanced", "mi355x is neither")])
+def test_kestrel_refuses_what_its_engine_does_not_run(recipe_id, reason):
+    assert reason in recipe(recipe_id).refusals["kestrel"]
 
 
 def test_every_offered_sglang_command_pins_the_planners_ratio():

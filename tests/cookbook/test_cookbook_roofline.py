@@ -33,7 +33,7 @@ def test_single_token_reads_the_active_weights_and_the_cache():
     # most favourable: every weight split over TP8, 16 experts per layer, no embedding table
     best = step(batch=1, context=8192, assumptions="most_favourable")
     shares = facts.bytes_by_sharding()
-    expected = (sum(shares.values()) - shares[EXPERTS] - facts.embedding_bytes
+    expected = (sum(shares.values()) - shares[EXPERTS] - facts.embedding_bytes(Layout(tp=1).first_rank())
                 + shares[EXPERTS] * 16 / 896) / 8
     assert best.weight_bytes == pytest.approx(expected, rel=1e-6)
     assert one.weight_bytes >= best.weight_bytes

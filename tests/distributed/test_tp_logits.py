@@ -1,9 +1,10 @@
-"""Logits of tensor- and expert-parallel ranks (gloo, 2 processes) equal the single-process model's (float32).
+"""Logits of tensor- and expert-parallel ranks (gloo, 2 processes) equal the single-process model's (float32), and
+the pools every rank allocates are what `kestrel plan --engine kestrel` says for that layout.
 
 One spawned group per module runs every case: K3.1-tiny (indexer, AttnRes, latent MXFP4 MoE, MTP) and a
 Kimi-Linear-shaped model, at TP2 (experts split by intermediate width) and TP2 with EP2 (experts split by expert),
 through the scripted steps of tp_script.py: mixed-length chunked prefill, decode, and a fork whose state slot and
-page are copied by the DeviceOps journal.
+page are copied by the DeviceOps journal; then the engine's load_shard plans and allocates each case's pools.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import pytest
 import torch
 
 from kestrel.config import parse_config
+from kestrel.cookbook.calculator import CacheSettings
+from kestrel.cookbook.layout import Layout
+from kestrel.cookbook.planner import PlanRequest, plan
 from kestrel.distributed.launch import RankSpec, Workers
+from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
@@ -25,6 +30,9 @@ MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXF
           "kimi-linear": ("kimi-linear-tiny", {})}
 CASES = [("k3.1", 2, 1), ("k3.1", 2, 2), ("kimi-linear", 2, 1), ("kimi-linear", 2, 2)]
 RANK_TIMEOUT_S = 240
+POOL_BUDGET = 256 * 2**20
+"""Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
+RATIO = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +51,20 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return out
 
 
+def pool_fraction() -> float:
+    """--mem-fraction-static that gives each of 2 CPU ranks POOL_BUDGET (the ranks split the machine's memory)."""
+    return POOL_BUDGET / (device_memory(torch.device("cpu")) // 2)
+
+
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
-    """Every case's logits from rank 0 of one spawned 2-rank group."""
+    """Every case's logits and every rank's pools, from one spawned 2-rank group."""
     out = tmp_path_factory.mktemp("ranks") / "logits.pt"
     cases = [(f"{model}-tp{tp}-ep{ep}", folders[model], tp, ep) for model, tp, ep in CASES]
     port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
     specs = [RankSpec(r, 2, r, f"tcp://127.0.0.1:{port}", True) for r in range(2)]
-    workers = Workers(rank_main, specs, cases, str(out))
+    pool_args = dict(dtype="float32", mem_fraction_static=pool_fraction(), mamba_full_memory_ratio=RATIO)
+    workers = Workers(rank_main, specs, cases, str(out), pool_args)
     try:
         for p in workers.processes:
             p.join(RANK_TIMEOUT_S)
@@ -71,3 +85,18 @@ def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep):
                                    msg=lambda m, name=name: f"sequence {name}: {m}")
     if single.config.num_nextn_predict_layers:
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
+
+
+@pytest.mark.parametrize("model,tp,ep", CASES)
+def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep):
+    """`kestrel plan --engine kestrel` plans rank 0, the heaviest (uneven splits give the first rank more): its
+    weights, and the pools all ranks agree on and allocate."""
+    planned = plan(PlanRequest(model=folders[model], hardware="cpu", dtype="fp32", layout=Layout(tp=tp, ep=ep),
+                               cache=CacheSettings(kv_dtype="fp32"), mem_fraction=pool_fraction(), ratio=RATIO,
+                               engine="kestrel", batches=(1,), compare_devices=False))
+    ranks = rank_results[f"{model}-tp{tp}-ep{ep}"]["pools"]
+    assert ranks[0]["weight_bytes"] == planned.weight_bytes_per_rank_total
+    assert all(rank["weight_bytes"] <= ranks[0]["weight_bytes"] for rank in ranks)
+    for rank in ranks:
+        assert (rank["slots"], rank["kv_tokens"]) == (planned.pools.state_slots, planned.pools.kv_tokens)
+        assert (rank["plan_slots"], rank["plan_kv_tokens"]) == (rank["slots"], rank["kv_tokens"])

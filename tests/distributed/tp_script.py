@@ -81,24 +81,42 @@ def oracle(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def rank_main(spec, cases: list[tuple[str, str, int, int]], out: str) -> None:
+def allocated_pools(args, par, control) -> dict[str, int]:
+    """What the engine's load_shard plans and allocates on this rank for args (all ranks call it together)."""
+    from kestrel.engine.ranks import load_shard
+
+    shard = load_shard(args, par, torch.device("cpu"), control)
+    return {"weight_bytes": shard.plan.weight_bytes, "slots": shard.cache.kda[0].recurrent.shape[0],
+            "kv_tokens": shard.cache.mla[0].latent.values.shape[0], "plan_slots": shard.plan.num_slots,
+            "plan_kv_tokens": shard.plan.kv_tokens}
+
+
+def rank_main(spec, cases: list[tuple[str, str, int, int]], out: str, pool_args: dict) -> None:
     """One rank of the test's group: for each case (name, model folder, tp_size, ep_size), this rank's shard runs
-    the script (and the MTP layer); rank 0 saves every case's logits to out."""
+    the script (and the MTP layer), then the engine loads the case (EngineArgs of pool_args) and allocates its
+    pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
 
     from kestrel.distributed.launch import init_process_groups
     from kestrel.distributed.parallel import Parallel
+    from kestrel.engine.args import EngineArgs
     from kestrel.models.checkpoint import load_model
 
     torch.set_num_threads(1)
-    init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"), timeout_s=120)
+    _, control = init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"),
+                                     timeout_s=120)
     results = {}
     for name, folder, tp, ep in cases:
         layout = ParallelLayout(tp, ep, spec.rank)
-        model = load_model(folder, torch.float32, "cpu", Parallel(layout, dist.group.WORLD))
+        par = Parallel(layout, dist.group.WORLD)
+        model = load_model(folder, torch.float32, "cpu", par)
         results[name] = run_script(model, layout)
         if model.config.num_nextn_predict_layers:
             results[name]["mtp"] = mtp_logits(model)
+        pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, **pool_args), par, control)
+        gathered = [None] * spec.world_size
+        dist.all_gather_object(gathered, pools, group=control)
+        results[name]["pools"] = gathered
     if spec.rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

@@ -40,6 +40,9 @@ class EngineStats:
     spec_verifications: int = 0      # speculative decoding: verification steps, draft tokens, accepted ones
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_histogram: tuple[int, ...] = ()    # [j]: verifications that accepted j draft tokens
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
 
 
 class RequestFailed(RuntimeError):
@@ -89,6 +92,8 @@ class AsyncEngine:
         spec = self.engine.spec_stats
         return EngineStats(spec_verifications=spec.verifications, spec_draft_tokens=spec.draft_tokens,
                            spec_accepted_tokens=spec.accepted_tokens,
+                           spec_accepted_histogram=tuple(spec.accepted_histogram),
+                           spec_draft_seconds=spec.draft_seconds, spec_verify_seconds=spec.verify_seconds,
                            running=len(scheduler.running), waiting=len(scheduler.waiting),
                            running_requests=self.engine.num_running_requests(),
                            kv_pages_used=kv.num_used, kv_pages_total=kv.num_pages,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
@@ -244,7 +245,9 @@ class LLMEngine:
         for request in rejected:
             self.requests.pop(request.request_id, None)
         if self.args.speculative_algorithm == "NGRAM":
+            started = time.perf_counter()
             self._propose_drafts()
+            self.spec_stats.draft_seconds += time.perf_counter() - started
         chunks = self.scheduler.schedule()
         self.stalled = not chunks and not self._compiling
         if not chunks:
@@ -259,7 +262,9 @@ class LLMEngine:
         if verifying:
             self._run_verify(verifying, touched, computed)
         if self.drafter is not None:
+            started = time.perf_counter()
             self._draft_with_mtp(computed)
+            self.spec_stats.draft_seconds += time.perf_counter() - started
         for request_id, request in touched.items():
             if request.finished:
                 self.requests.pop(request_id, None)
@@ -343,7 +348,9 @@ class LLMEngine:
         """Verify every chunk's draft in one forward, then per sequence: emit the accepted tokens, commit the KDA
         state after the last token computed and accepted, release the pages past what the next verification
         needs. computed gets each sequence's (sequence, first position, hidden states of the kept positions)."""
+        started = time.perf_counter()
         logits = self._forward(chunks, set(range(len(chunks))), touched, verify=True)
+        self.spec_stats.verify_seconds += time.perf_counter() - started
         if logits is None:
             return
         hidden = self.runner.hidden

@@ -50,11 +50,19 @@ class Metrics:
             "kestrel_spec_acceptance_length": ("Mean tokens emitted per verification step",
                                                lambda s: (s.spec_accepted_tokens + s.spec_verifications)
                                                / max(s.spec_verifications, 1)),
+            "kestrel_spec_draft_seconds": ("Seconds spent drafting since start", lambda s: s.spec_draft_seconds),
+            "kestrel_spec_verify_seconds": ("Seconds spent in verification forwards since start",
+                                            lambda s: s.spec_verify_seconds),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine.stats()))
+        self.engine = engine
+        self.spec_histogram = Gauge("kestrel_spec_accepted_verifications", "Verification steps by draft tokens "
+                                    "accepted", ["accepted"], registry=r)
 
     def render(self) -> bytes:
+        for accepted, count in enumerate(self.engine.stats().spec_accepted_histogram):
+            self.spec_histogram.labels(str(accepted)).set(count)
         return generate_latest(self.registry)
 
 

@@ -202,5 +202,9 @@ def test_speculative_decoding_counts_reach_metrics(model_folder):
             assert gauge(http, "kestrel_spec_verifications") > 0
             drafted, accepted = gauge(http, "kestrel_spec_draft_tokens"), gauge(http, "kestrel_spec_accepted_tokens")
             assert drafted >= accepted >= 0 and gauge(http, "kestrel_spec_acceptance_length") >= 1
+            steps = sum(float(n) for n in re.findall(r'^kestrel_spec_accepted_verifications\{accepted="\d+"\} (\S+)$',
+                                                       http.get("/metrics").text, re.M))
+            assert steps == gauge(http, "kestrel_spec_verifications")
+            assert gauge(http, "kestrel_spec_verify_seconds") > 0 and gauge(http, "kestrel_spec_draft_seconds") > 0
     finally:
         live.stop()

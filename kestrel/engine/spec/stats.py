@@ -1,4 +1,5 @@
-"""Counts of speculative decoding: drafts proposed and accepted, per verification and in all."""
+"""Counts of speculative decoding: drafts proposed and accepted, per verification and in all, and the time spent
+drafting and verifying."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ class SpecStats:
     def __init__(self, max_draft: int):
         self.verifications = self.draft_tokens = self.accepted_tokens = 0
         self.accepted_histogram = [0] * (max_draft + 1)
+        self.draft_seconds = self.verify_seconds = 0.0       # drafting (NGRAM lookups, MTP forwards); verify forwards
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verifications += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from .protocol import (ChatCompletionRequest, ChatTemplateFields, CompletionRequ
                        NamedToolChoice, SamplingFields, TokenizeRequest)
 from .responses import (chat_delta, chat_finish_reason, chat_logprobs, chat_message, completion_logprobs,
                         completion_tokens, new_id, now, usage)
-from .sglang_api import add_sglang_routes
+from .sglang_api import GenerateRequest, add_sglang_routes, generate_item
 
 @dataclass
 class ServerState:
@@ -138,6 +139,11 @@ def create_app(engine: AsyncEngine, options: ServerOptions) -> FastAPI:
         _check_model(state, body.model)
         _admit(state)
         return await _chat(state, body, request)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateRequest, request: Request):
+        _admit(state)
+        return await _generate(state, body, request)
 
     return app
 
@@ -521,3 +527,46 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             "finish_reason": chat_finish_reason(c, parser.calls)})
     return {"id": request_id, "object": "chat.completion", "created": now(), "model": state.model_name,
             "choices": choices, "usage": _usage([final], True)}
+
+
+async def _generate(state: ServerState, body: GenerateRequest, request: Request):
+    """SGLang's native /generate: one answer (a list for a batch or n > 1, prompt by prompt), or SSE chunks with the
+    cumulative text of a sequence (with its index in that list for a batch or n > 1)."""
+    try:
+        prompts = body.prompts()
+        samplings = [s.fields() for s in body.samplings(len(prompts))]
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
+    params = [_sampling_params(f, state, f.max_tokens, None,
+                               structured_outputs=await _compiled(state, requested_constraint(f, None)))
+              for f in samplings]
+    request_id, started = new_id("gen"), time.perf_counter()
+    streams = [_outputs(state, f"{request_id}-{i}", p, params[i], body.priority or 0, body.bootstrap(i))
+               for i, p in enumerate(prompts)]
+    first_index = [sum(p.n for p in params[:i]) for i in range(len(params))]
+    single = first_index == [0] and params[0].n == 1
+    timer = RequestTimer(state.metrics)
+
+    def item(i: int, output: RequestOutput, j: int) -> dict:
+        index = first_index[i] + j
+        return generate_item(output, j, request_id if single else f"{request_id}-{index}",
+                             time.perf_counter() - started)
+
+    if body.stream:
+        async def chunks() -> AsyncIterator[str]:
+            sent: dict[tuple[int, int], tuple[int, str | None]] = {}
+            finals: dict[int, RequestOutput] = {}
+            async for i, output in _merged(streams):
+                finals[i] = output
+                timer.tokens_seen(sum(completion_tokens(o) for o in finals.values()))
+                for j, c in enumerate(output.outputs):
+                    if sent.get((i, j)) != (len(c.token_ids), c.finish_reason):
+                        sent[(i, j)] = (len(c.token_ids), c.finish_reason)
+                        index = {} if single else {"index": first_index[i] + j}
+                        yield _sse(item(i, output, j) | index)
+            timer.done("success", sum(len(o.prompt_token_ids) for o in finals.values()))
+        return _event_stream(chunks(), timer)
+
+    finals = await _collect(state, streams, request, timer)
+    items = [item(i, finals[i], j) for i in range(len(prompts)) for j in range(len(finals[i].outputs))]
+    return items[0] if single else items

@@ -138,6 +138,57 @@ def test_pd_through_the_router_answers_as_one_server(fleet):
     assert_idle(procs["p"].url, procs["d"].url)
 
 
+def generate(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/generate", json=body, timeout=120)
+
+
+def streamed_generate(url: str, body: dict) -> list[dict]:
+    """The last chunk of each sequence of a streamed /generate (SGLang sends cumulative text and output_ids)."""
+    last: dict[int, dict] = {}
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                last[chunk.pop("index", 0)] = chunk
+    return [last[i] for i in sorted(last)]
+
+
+def test_sglang_generate_answers_as_sglang_and_as_the_openai_endpoint(fleet):
+    """SGLang's native /generate: the OpenAI endpoint's greedy text in SGLang's shape, on a unified server, through
+    the data-parallel router and through the PD router (which adds the bootstrap fields to /generate too)."""
+    procs, _ = fleet
+    unified = procs["u1"].url
+    greedy = {"temperature": 0, "max_new_tokens": 10}
+    expected = post(unified, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 10}).json()
+    one = generate(unified, {"text": PROMPT, "sampling_params": greedy}).json()
+    assert one["text"] == expected["choices"][0]["text"] and len(one["output_ids"]) == 10
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 10}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (expected["usage"]["prompt_tokens"], 10)
+    assert meta["cached_tokens"] >= 0
+    batch = {"text": [PROMPT, "The queen"], "sampling_params": {**greedy, "n": 2}}     # the router takes one text
+    texts = [c["text"] for c in post(unified, "/v1/completions", {"prompt": [PROMPT, "The queen"], "n": 2,
+                                                                 "temperature": 0, "max_tokens": 10}).json()["choices"]]
+    assert [x["text"] for x in generate(unified, batch).json()] == texts
+    assert [x["text"] for x in streamed_generate(unified, batch)] == texts
+    ids = httpx.post(unified + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    stop = {**greedy, "stop": ["\n"], "no_stop_trim": True}
+    bodies = [{"text": PROMPT, "sampling_params": greedy}, {"input_ids": ids, "sampling_params": greedy},
+              {"text": PROMPT, "sampling_params": {**greedy, "n": 2}}, {"text": PROMPT, "sampling_params": stop}]
+    fields = lambda items: [(x["text"], x["output_ids"], x["meta_info"]["finish_reason"]) for x in items]  # noqa: E731
+    for body in bodies:
+        want = generate(unified, body).json()
+        want = want if isinstance(want, list) else [want]
+        for url in (procs["dp"].url, procs["pd"].url):
+            got = generate(url, body).json()
+            assert fields(got if isinstance(got, list) else [got]) == fields(want), (url, body)
+            assert fields(streamed_generate(url, body)) == fields(want), (url, body)
+    refused = generate(unified, {"text": PROMPT, "return_logprob": True})
+    assert refused.status_code == 400 and "return_logprob" in refused.json()["error"]["message"]
+    assert generate(unified, {"sampling_params": greedy}).status_code == 400
+    assert_idle(procs["p"].url, procs["d"].url)
+
+
 def test_cache_aware_routing_keeps_a_session_on_one_worker(fleet):
     procs, _ = fleet
     workers = [procs["u1"].url, procs["u2"].url]
@@ -235,3 +286,4 @@ def _connected(port: int) -> bool:
     """Some process holds an established TCP connection to 127.0.0.1:port."""
     out = subprocess.run(["ss", "-Htn", "state", "established", f"dport = :{port}"], capture_output=True, text=True)
     return bool(out.stdout.strip())
+

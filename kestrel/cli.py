@@ -31,6 +31,7 @@ from .models.inspect import inspect_config
 from .models.presets import PRESETS, tiny_config
 from .models.quantize import quantize_experts
 from .server.options import ServerOptions
+from .server.dp import run_dp
 from .server.router import run_router
 from .server.serve import serve
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return args.run(args)
     except (ValueError, ServerError) as e:   # bad arguments or input; a benchmark's server that cannot be used
@@ -107,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
+    if engine_args.dp_size > 1 and not engine_args.enable_dp_attention:
+        if args.disaggregation_mode != "null" or engine_args.nnodes > 1:
+            raise UsageError("--dp-size runs one node's unified instances; for PD or several nodes start each "
+                             "instance yourself and put `kestrel router` in front.")
+        return run_dp(args.argv[args.argv.index("serve") + 1:], engine_args.dp_size, args.host, args.port)
     if not is_rank_zero(engine_args):      # another node's ranks, or torchrun's: they serve rank 0's steps
         return run_node(engine_args)
     name = args.served_model_name

@@ -129,7 +129,8 @@ def _spawn_group(rng: random.Random, shape: AgenticShape, main: Chain, at: int) 
             chain.turns[0].shared_with_parent = len(base)
             group.append(chain)
     parent.spawn += group
-    results = [{"role": "tool", "content": f"Sub-agent result: {filler_text(rng, 15)}"} for _ in group]
+    results = [{"role": "tool", "tool_call_id": f"subagent-{at}-{i}",        # OpenAI requires it (SGLang's router too)
+                "content": f"Sub-agent result: {filler_text(rng, 15)}"} for i in range(len(group))]
     _insert_after(main, at + 1, len(base), results)
 
 

@@ -214,8 +214,8 @@ def report(transfers: list[dict], runs: list[dict], shape: AgenticShape, args: a
                        transfer_rows),
         f"Kimi K3 and K3.1 Pro, analytic only (kestrel/configs/; SGLang's K3 PD recipe: page size 64, "
         "`--kv-cache-dtype fp8_e4m3`; bf16 conv state, float32 recurrent state). The KDA state is the same for "
-        f"every request and dominates below ~100k tokens; the last column is the FP8 handoff over one {LINK_GBPS} "
-        "Gb/s link at line rate (arithmetic, not measured).",
+        "every request and is most of the handoff below ~32k prompt tokens with an FP8 KV cache (~16k with bf16); "
+        f"the last column is the FP8 handoff over one {LINK_GBPS} Gb/s link at line rate (arithmetic, not measured).",
         markdown_table(["model", "prompt tokens", "KV pages MiB (fp8)", "KDA state MiB", "handoff MiB (fp8 KV)",
                         "handoff MiB (bf16 KV)", f"ms at {LINK_GBPS} Gb/s"], analytic_rows()),
         f"Data parallel. The agentic workload (kestrel.bench.agentic, seed {shape.seed}): {generated['sessions']} "

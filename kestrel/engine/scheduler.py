@@ -10,9 +10,9 @@ greedy decoding continues exactly where it stopped. The highest-priority sequenc
 sequence of up to the context length fits the KV pool, so nothing deadlocks.
 
 With a prefix cache (radix.py), a sequence starts after the longest cached prefix of its tokens that ends at a
-state snapshot, and its pages go into the tree as they fill. Its state is saved before the prompt's last token (the
-prefill stops one token short to do so, so that a repeated prompt computes one token) and when it finishes
-("no_buffer"); with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
+state snapshot, and its pages go into the tree as they fill. Its state is saved at the last page boundary before
+the prompt's last token (the prefill stops there for it, then computes the rest of the prompt in a step of its
+own) and when it finishes ("no_buffer"); with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
 page boundary track_interval decode tokens after the last snapshot. What only the cache holds is evicted (least
 recently used) before a request is refused or preempted.
 """
@@ -124,7 +124,7 @@ class Scheduler:
         self._insert_pages(seq)
         computed, prompt = seq.num_computed, len(seq.request.prompt_ids)
         aligned = self.extra_buffer and computed % self.kv_pool.page_size == 0
-        if computed == prompt - 1 or (aligned and (computed < prompt or computed - seq.last_snapshot
+        if computed == self._prompt_snapshot_at(seq) > 0 or (aligned and (computed < prompt or computed - seq.last_snapshot
                                                >= self.track_interval)):
             self._snapshot(seq)
 
@@ -182,12 +182,17 @@ class Scheduler:
         self.running.append(child)
 
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
-        """With a prefix cache, a prompt's prefill stops one token short of its end, where its state is saved (a
-        later request with the same prompt resumes there and computes only the last token)."""
+        """With a prefix cache, a prompt's prefill stops at its prompt snapshot, where its state is saved."""
         end = seq.num_tokens
-        if self.prefix_cache is not None and seq.num_computed < len(seq.request.prompt_ids) - 1:
-            end = len(seq.request.prompt_ids) - 1
+        if self.prefix_cache is not None and seq.num_computed < self._prompt_snapshot_at(seq):
+            end = self._prompt_snapshot_at(seq)
         return min(end - seq.num_computed, budget, self.chunk_size)
+
+    def _prompt_snapshot_at(self, seq: Sequence) -> int:
+        """Where a prompt's state is saved: the last page boundary before its last token (0: nowhere). A later
+        request resumes there when it shares those full pages: a repeat of the prompt, and the next turn of a chat
+        whose history renders the previous reply differently from how the prompt asked for it."""
+        return (len(seq.request.prompt_ids) - 1) // self.kv_pool.page_size * self.kv_pool.page_size
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow (evicting what

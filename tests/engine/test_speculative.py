@@ -27,7 +27,9 @@ def repetitive(seed: int, length: int) -> list[int]:
     return (phrase * length)[:length]
 
 
-PROMPTS = [repetitive(1, 30), repetitive(2, 9), repetitive(3, 41), repetitive(4, 17)]
+PROMPTS = [repetitive(1, 30), repetitive(6, 9), repetitive(3, 41), repetitive(4, 17)]
+"""Their greedy continuations (40 tokens, both random test models) have no near-tie: the top two logits differ by
+at least 2e-3 everywhere, so rounding differences between batch shapes cannot flip a token (seed 2 had a tie)."""
 
 
 def greedy(max_tokens: int = 16, **kw) -> SamplingParams:

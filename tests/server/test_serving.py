@@ -178,18 +178,22 @@ def test_cookbook_page_is_served(server):
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(server):
+    """A repeat resumes at the prompt's state snapshot: the last page boundary (of 4 tokens) before its last token."""
     body = {"prompt": "all the world's a stage, and all the men and women merely players " * 3, "max_tokens": 3}
+
+    def snapshot(prompt_tokens: int) -> int:
+        return (prompt_tokens - 1) // 4 * 4
     with server.client() as http:
         before = gauge(http, "kestrel_prefix_cache_hit_tokens")
         first, second = (http.post("/v1/completions", json=body).json()["usage"] for _ in range(2))
         assert second["prompt_tokens"] == first["prompt_tokens"] > 20
-        assert second["prompt_tokens_details"] == {"cached_tokens": second["prompt_tokens"] - 1}
+        assert second["prompt_tokens_details"] == {"cached_tokens": snapshot(second["prompt_tokens"])}
         assert gauge(http, "kestrel_prefix_cache_hit_tokens") - before == \
-            first["prompt_tokens_details"]["cached_tokens"] + second["prompt_tokens"] - 1
+            first["prompt_tokens_details"]["cached_tokens"] + snapshot(second["prompt_tokens"])
         assert gauge(http, "kestrel_prefix_cache_snapshots") > 0
         chat = {"messages": [{"role": "user", "content": body["prompt"]}], "max_tokens": 2}
         turns = [http.post("/v1/chat/completions", json=chat).json()["usage"] for _ in range(2)]
-        assert turns[1]["prompt_tokens_details"]["cached_tokens"] == turns[1]["prompt_tokens"] - 1
+        assert turns[1]["prompt_tokens_details"]["cached_tokens"] == snapshot(turns[1]["prompt_tokens"])
 
 
 def test_speculative_decoding_counts_reach_metrics(model_folder):

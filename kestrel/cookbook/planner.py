@@ -428,8 +428,11 @@ def plan(request: PlanRequest) -> Plan:
     bandwidth_per_rank = None if bandwidth is None else bandwidth / device.ranks_per_device
     tokens_per_sequence = verify_width(settings)
     context = request.context or request.avg_request_len
+    interconnect = device.fact("scale_up_bandwidth")
+    interconnect_per_rank = (interconnect.value * 1e9 / device.ranks_per_device
+                             if interconnect.value and interconnect.unit == "GB/s" else None)
     steps = [decode_step(model, layout, settings, bandwidth_per_rank, nodes.devices, b, context, tokens_per_sequence,
-                         engine=request.engine)
+                         engine=request.engine, interconnect_per_rank=interconnect_per_rank)
              for b in request.batches]
     others = {d.id: min_devices(model, d, settings, request.mem_fraction, request.avg_request_len, draft_bytes or 0,
                                 request.engine)

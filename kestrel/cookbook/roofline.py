@@ -10,9 +10,12 @@ speculation), reads on each rank:
 - KV: the MLA latents of every cached token (K3), or, with K3.1's indexer, the indexer keys of every cached token
   plus the latents of the top-k selected ones; DCP splits both, the TP ranks of a group each read all of it;
 - KDA state: each sequence's state, read and written once.
-The step takes at least bytes / bandwidth on every pipeline stage; a user's tokens/s is at most
+The step takes at least bytes / bandwidth on every pipeline stage, plus the time its collectives take on the
+scale-up interconnect (kestrel.distributed.traffic: TP all-reduces and the logits' all-gather, DCP's exchange; not
+overlapped with the reads, as kestrel's layers wait for each collective); a user's tokens/s is at most
 tokens_per_sequence / (sum over stages), a device's at most batch x tokens_per_sequence / (slowest stage) / devices.
-Compute, communication and the draft model's own reads are not counted, so every figure is an upper bound.
+Compute, the draft model's own reads, and communication under DP attention or pipeline stages are not counted, so
+every figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 from .calculator import CacheSettings
 from .layout import Layout
-from .model import EXPERTS, VOCAB, ModelFacts
+from ..distributed.traffic import Forward, comm_seconds, dcp_traffic, tp_traffic
+from .model import DTYPES, EXPERTS, VOCAB, ModelFacts
 
 ASSUMPTIONS = ("planner", "most_favourable")
 
@@ -38,6 +42,7 @@ class DecodeStep:
     kv_bytes: int                    # MLA latents read
     index_key_bytes: int             # indexer keys scanned (0 without an indexer)
     state_bytes: int
+    comm_seconds: float | None       # the step's collectives (kestrel.distributed.traffic); None when not modelled
     step_seconds: float | None       # None when the bandwidth is unknown
     tokens_per_s_per_user: float | None
     tokens_per_s_per_device: float | None
@@ -72,8 +77,10 @@ def _stage_weight_bytes(model: ModelFacts, layout: Layout, stage: range, first: 
 
 def decode_step(model: ModelFacts, layout: Layout, settings: CacheSettings, bandwidth_per_rank: float | None,
                 devices: int, batch: int, context: int, tokens_per_sequence: int = 1,
-                assumptions: str = "planner", engine: str = "sglang") -> DecodeStep:
-    """Bytes and bounds of one decode step of `engine`'s ranks (see the module docstring)."""
+                assumptions: str = "planner", engine: str = "sglang",
+                interconnect_per_rank: float | None = None) -> DecodeStep:
+    """Bytes and bounds of one decode step of `engine`'s ranks (see the module docstring); interconnect_per_rank:
+    scale-up bytes/s of a rank (None: communication unknown)."""
     if batch < 1 or context < 1 or tokens_per_sequence < 1:
         raise ValueError("batch, context and tokens per sequence must each be at least 1.")
     config = model.config
@@ -93,12 +100,30 @@ def decode_step(model: ModelFacts, layout: Layout, settings: CacheSettings, band
         state = 2 * sequences * model.state_bytes_per_slot(settings.ssm_dtype, stage) / layout.attention_tp
         per_stage.append((weights, int(kv), int(keys), int(state)))
     sums = [sum(column) for column in zip(*per_stage)]
+    comm = _comm_seconds(model, layout, interconnect_per_rank, sequences, context, tokens_per_sequence)
     if bandwidth_per_rank is None:
-        return DecodeStep(batch, context, tokens_per_sequence, *sums, None, None, None)
-    stage_seconds = [sum(row) / bandwidth_per_rank for row in per_stage]
+        return DecodeStep(batch, context, tokens_per_sequence, *sums, comm, None, None, None)
+    stage_seconds = [sum(row) / bandwidth_per_rank + (comm or 0.0) for row in per_stage]
     step = sum(stage_seconds)
     per_device = batch * tokens_per_sequence / max(stage_seconds) / devices
-    return DecodeStep(batch, context, tokens_per_sequence, *sums, step, tokens_per_sequence / step, per_device)
+    return DecodeStep(batch, context, tokens_per_sequence, *sums, comm, step, tokens_per_sequence / step, per_device)
+
+
+def _comm_seconds(model: ModelFacts, layout: Layout, interconnect_per_rank: float | None, sequences: int,
+                  context: int, tokens_per_sequence: int) -> float | None:
+    """Time one rank's collectives take in the step, at the interconnect's bandwidth; None when unknown or when
+    DP attention or pipeline stages (whose traffic the formula does not cover) are in the layout."""
+    if layout.tp == 1:
+        return 0.0
+    if interconnect_per_rank is None or layout.dp > 1 or layout.pp > 1:
+        return None
+    tokens = sequences * tokens_per_sequence
+    forward = Forward(tokens, sequences, tokens_per_sequence, context, tokens)
+    act_bytes = DTYPES[model.dtype].itemsize
+    traffic = {**tp_traffic(model.config, layout.tp, forward, act_bytes),
+               **dcp_traffic(model.config, layout.tp, layout.dcp, forward, act_bytes)}
+    ranks = {kind: layout.dcp if kind.startswith("dcp") else layout.tp for kind in traffic}
+    return comm_seconds(traffic, ranks, interconnect_per_rank)
 
 
 def crossover_context(step: DecodeStep, reads: str) -> int | None:

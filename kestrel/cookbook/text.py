@@ -27,11 +27,15 @@ def _rate(value: float | None) -> str:
     return "unknown" if value is None else f"{value:,.0f}"
 
 
+def _us(seconds: float | None) -> str:
+    return "unknown" if seconds is None else f"{seconds * 1e6:,.0f} us"
+
+
 def roofline_caption(plan: Plan) -> str:
     """What the roofline is when the plan does not fit: a hypothetical bound, not a forecast."""
     if plan.fits is False:
         return "hypothetical: the plan does not fit, so nothing runs at these rates"
-    return "memory reads only: upper bounds"
+    return "memory reads and collectives: upper bounds"
 
 
 def plan_text(plan: Plan) -> str:
@@ -74,13 +78,13 @@ def plan_text(plan: Plan) -> str:
     lines += ["", f"decode roofline at context {context:,}, {tokens} token(s) per sequence per step "
                   f"({roofline_caption(plan)})",
               f"{'batch':>6} {'weights/step':>14} {'KV/step':>11} {'index/step':>11} {'state/step':>11} "
-              f"{'tok/s/user':>11} {'tok/s/GPU':>10} {'KV>weights at':>14} {'index>weights at':>17} "
+              f"{'comm/step':>10} {'tok/s/user':>11} {'tok/s/GPU':>10} {'KV>weights at':>14} {'index>weights at':>17} "
               f"{'index/weights @max ctx':>23}"]
     for step, cross in zip(plan.roofline, plan.crossovers):
         ratio = cross.indexer_to_weights_at_max_context
         at_max = "-" if ratio is None else f"{ratio:.2f}x"
         lines.append(f"{step.batch:>6} {gb(step.weight_bytes):>14} {gb(step.kv_bytes):>11} "
-                     f"{gb(step.index_key_bytes):>11} {gb(step.state_bytes):>11} "
+                     f"{gb(step.index_key_bytes):>11} {gb(step.state_bytes):>11} {_us(step.comm_seconds):>10} "
                      f"{_rate(step.tokens_per_s_per_user):>11} "
                      f"{_rate(step.tokens_per_s_per_device):>10} "
                      f"{'-' if cross.kv_context is None else f'{cross.kv_context:,}':>14} "

@@ -284,4 +284,4 @@ def test_dp_attention_divides_the_caps_per_worker():
 def test_the_roofline_is_hypothetical_when_nothing_fits():
     from kestrel.cookbook.text import plan_text
     assert "hypothetical: the plan does not fit" in plan_text(plan(PlanRequest(layout=Layout(tp=4))))
-    assert "memory reads only: upper bounds" in plan_text(plan(PlanRequest(layout=Layout(tp=8))))
+    assert "memory reads and collectives: upper bounds" in plan_text(plan(PlanRequest(layout=Layout(tp=8))))

@@ -86,7 +86,7 @@ def test_default_choice_shows_the_b300_low_latency_recipe(page):
     assert text(page, "ratio") == "0.9"
     assert text(page, "admitted") == f"{recipe.plan.admitted_requests:,}"
     assert recipe.commands["kestrel"].lines[1] in text(page, "cmd-kestrel")
-    assert text(page, "roofline-caption") == "memory reads only: upper bounds"          # the plan fits
+    assert text(page, "roofline-caption") == "memory reads and collectives: upper bounds"          # the plan fits
 
 
 def test_picking_options_updates_the_command_and_the_numbers(page):

@@ -12,16 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.config import parse_config
+from kestrel.config import load_config, parse_config
 from kestrel.cookbook.calculator import CacheSettings
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.planner import PlanRequest, plan
 from kestrel.distributed.launch import RankSpec, Workers
+from kestrel.distributed.traffic import tp_traffic
 from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
-from tp_script import FORK_AT, SEQUENCES, mtp_logits, oracle, rank_main
+from tp_script import FORK_AT, SEQUENCES, forwards, mtp_logits, oracle, rank_main
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 """float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
@@ -100,3 +101,14 @@ def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, mod
     for rank in ranks:
         assert (rank["slots"], rank["kv_tokens"]) == (planned.pools.state_slots, planned.pools.kv_tokens)
         assert (rank["plan_slots"], rank["plan_kv_tokens"]) == (rank["slots"], rank["kv_tokens"])
+
+
+@pytest.mark.parametrize("model,tp,ep", CASES)
+def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep):
+    """Parallel.bytes_sent over the scripted steps equals kestrel/distributed/traffic.py (float32 activations)."""
+    config = load_config(folders[model])
+    expected = {"all_reduce": 0, "all_gather": 0}
+    for forward in forwards():
+        for kind, n in tp_traffic(config, tp, forward, 4).items():
+            expected[kind] += n
+    assert rank_results[f"{model}-tp{tp}-ep{ep}"]["bytes_sent"] == expected

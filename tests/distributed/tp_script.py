@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.distributed.layout import ParallelLayout
+from kestrel.distributed.traffic import Forward
 from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.model_runner import ModelRunner, Step
 from kestrel.layers.batch import ForwardBatch
@@ -49,6 +50,12 @@ def steps() -> list[Step]:
                         [c[1] for c in chunks], [c[2] for c in chunks], [SLOTS[c[0]] for c in chunks], width,
                         list(range(len(chunks))), []))
     return out
+
+
+def forwards() -> list[Forward]:
+    """The shape of each scripted step (every position's logits), for the traffic formula."""
+    return [Forward(sum(c[2] for c in chunks), len(chunks), max(c[2] for c in chunks),
+                    max(c[1] + c[2] for c in chunks), sum(c[2] for c in chunks)) for chunks in CHUNKS]
 
 
 def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> dict[str, torch.Tensor]:
@@ -111,6 +118,7 @@ def rank_main(spec, cases: list[tuple[str, str, int, int]], out: str, pool_args:
         par = Parallel(layout, dist.group.WORLD)
         model = load_model(folder, torch.float32, "cpu", par)
         results[name] = run_script(model, layout)
+        results[name]["bytes_sent"] = dict(par.bytes_sent)
         if model.config.num_nextn_predict_layers:
             results[name]["mtp"] = mtp_logits(model)
         pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, **pool_args), par, control)

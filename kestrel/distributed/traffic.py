@@ -1,0 +1,94 @@
+"""How many bytes each rank puts into each collective in one forward, as the layers issue them, and how long a ring
+takes to move them: the one formula the communication benchmark checks against the engine's counters
+(Parallel.bytes_sent) and the cookbook's roofline turns into time per step.
+
+A forward of T new tokens in N sequences (at most L new and S cached-plus-new tokens each), with R rows of logits
+and activations of `act_bytes`, on TP > 1 ranks; every rank contributes:
+- all_reduce: T x hidden for the embedding (vocabulary-parallel), each KDA and MLA output projection and each dense
+  MLP's down projection; per MoE layer T x hidden, or with a latent MoE T x expert_dim plus, in the same call, the
+  shared experts' T x hidden; per indexer layer the N x L x S fp32 partial scores. Expert parallelism changes none
+  of it: routed partials join the same all-reduce (no all-to-all dispatch).
+- all_gather: R x ceil(vocab / TP) fp32 logits.
+Decode context parallelism is not implemented; `dcp_traffic` is the analytic count of the SGLang-style exchange
+(queries all-gathered over the DCP group, partial outputs with their log-sum-exp reduce-scattered back).
+A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+LOGIT_BYTES = 4
+SCORE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Forward:
+    """The shape of one forward: T tokens, N sequences, longest L new and S total tokens, R logit rows."""
+
+    tokens: int
+    sequences: int
+    longest_new: int
+    longest_total: int
+    logit_rows: int
+
+    @classmethod
+    def decode(cls, batch: int, context: int) -> Forward:
+        """One decode step of `batch` sequences that reach `context` tokens with this one."""
+        return cls(batch, batch, 1, context, batch)
+
+    @classmethod
+    def prefill(cls, tokens: int) -> Forward:
+        """One prompt of `tokens` tokens in one chunk, logits at its last position."""
+        return cls(tokens, 1, tokens, tokens, 1)
+
+
+def _moe_layers(config: ModelConfig) -> int:
+    return sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+
+
+def tp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int) -> dict[str, int]:
+    """Bytes one rank contributes to each collective kind in one forward (see the module docstring)."""
+    if tp == 1:
+        return {"all_reduce": 0, "all_gather": 0}
+    t, hidden = forward.tokens, config.hidden_size
+    moe = _moe_layers(config)
+    dense = config.num_hidden_layers - moe
+    latent = config.routed_expert_hidden_size is not None
+    moe_width = (config.expert_dim + (hidden if config.num_shared_experts else 0)) if latent else hidden
+    rows = (1 + len(config.kda_layers) + len(config.mla_layers) + dense) * t * hidden + moe * t * moe_width
+    scores = (len(config.mla_layers) * forward.sequences * forward.longest_new * forward.longest_total * SCORE_BYTES
+              if config.has_indexer else 0)
+    logits = forward.logit_rows * -(-config.vocab_size // tp) * LOGIT_BYTES
+    return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
+
+
+def dcp_traffic(config: ModelConfig, tp: int, dcp: int, forward: Forward, act_bytes: int) -> dict[str, int]:
+    """Analytic only (kestrel has no DCP): per MLA layer, this rank's heads' absorbed queries all-gathered over the
+    DCP group, and the group's heads' partial latent outputs with an fp32 log-sum-exp each reduce-scattered back."""
+    if dcp == 1:
+        return {}
+    heads = config.num_attention_heads // tp
+    layers, t = len(config.mla_layers), forward.tokens
+    queries = layers * t * heads * (config.kv_lora_rank + config.qk_rope_head_dim) * act_bytes
+    outputs = layers * t * heads * dcp * (config.kv_lora_rank * act_bytes + 4)
+    return {"dcp_all_gather": queries, "dcp_reduce_scatter": outputs}
+
+
+def wire_bytes(kind: str, contributed: int, ranks: int) -> float:
+    """Bytes a rank sends over the wire for `contributed` input bytes of collective `kind` in a ring of `ranks`."""
+    if ranks == 1:
+        return 0.0
+    if kind.endswith("all_reduce"):
+        return 2 * (ranks - 1) / ranks * contributed
+    if kind.endswith("all_gather"):
+        return (ranks - 1) * contributed
+    return (ranks - 1) / ranks * contributed
+
+
+def comm_seconds(traffic: dict[str, int], ranks: dict[str, int], bandwidth: float) -> float:
+    """Time to move every collective of `traffic` (kind -> contributed bytes), kind k in a ring of ranks[k], at
+    `bandwidth` bytes/s per rank."""
+    return sum(wire_bytes(kind, n, ranks[kind]) for kind, n in traffic.items()) / bandwidth

@@ -1,5 +1,6 @@
-"""The serving engine on the GPU with the bundled model (models/k3.1-tiny): seeded sampling, and decode steps replayed
-from CUDA graphs against eager decode at every captured batch size, token for token.
+"""The serving engine on the GPU with the bundled model (models/k3.1-tiny): seeded sampling, decode steps replayed
+from CUDA graphs against eager decode at every captured batch size, token for token, and tensor parallelism (TP2
+over two rank processes) against one process.
 
 - Seeded sampling: a seeded request's torch.Generator must live on the logits' device. One sampled request
   (temperature 1, seed SEED) runs alone twice and once among unseeded requests; it passes when no run
@@ -118,8 +119,31 @@ def graphs_against_eager(device: str, max_batch_size: int = GRAPH_MAX_BS,
     return dict(max_batch_size=max_batch_size, rows=rows, passed=all(r["passed"] for r in rows))
 
 
+def tensor_parallel(device: str, new_tokens: int = 16, requests: int = 4) -> dict[str, Any]:
+    """TP2 against one process: greedy requests of different prompt lengths through the bundled model split over 2
+    rank processes (2 GPUs when there are, else both sharing one) and through one process; passes when every request's
+    tokens are equal. Records the largest difference of the chosen tokens' logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(str(BUNDLED_MODEL), device=device, tp_size=tp, max_mamba_cache_size=requests,
+                  max_total_tokens=requests * 512, disable_radix_cache=True)
+        try:
+            results[tp] = llm.generate([{"prompt_token_ids": p} for p in sample_prompts(llm, requests)], params)
+        finally:
+            llm.engine.shutdown()
+    single, split = token_ids(results[1]), token_ids(results[2])
+    differences = [abs(a.outputs[0].logprobs[j][t].logprob - b.outputs[0].logprobs[j][t].logprob)
+                   for a, b, same in zip(results[1], results[2], (x == y for x, y in zip(single, split))) if same
+                   for j, t in enumerate(a.outputs[0].token_ids)]
+    return dict(tp_size=2, requests=requests, new_tokens=new_tokens,
+                equal_requests=sum(a == b for a, b in zip(single, split)), first_mismatch=first_mismatch(split, single),
+                max_logprob_diff=float(f"{max(differences, default=0.0):.2e}"), passed=single == split)
+
+
 def summary(checks: dict[str, Any]) -> dict[str, Any]:
     """The checks' verdicts, for the evidence record: seeded sampling, and graphs against eager per batch size."""
     seeded, graphs = checks.get("seeded_sampling", {}), checks.get("cuda_graphs", {})
     return {"seeded_sampling_passed": seeded.get("passed", False),
-            "cuda_graphs_equal_eager": {str(r["batch"]): r["passed"] for r in graphs.get("rows", [])}}
+            "cuda_graphs_equal_eager": {str(r["batch"]): r["passed"] for r in graphs.get("rows", [])},
+            "tp2_equals_one_process": checks.get("tensor_parallel", {}).get("passed", False)}

@@ -1,6 +1,7 @@
 """The one-command GPU benchmark, budgeted for 8.5 minutes on one H200: the serving engine's correctness checks on
 the bundled model (seeded sampling; decode replayed from CUDA graphs against eager decode at every captured batch
-size, token for token), copy bandwidth, every Triton kernel against its torch reference, KDA prefill against fla's
+size, token for token; TP2 over two rank processes, sharing the GPU when there is one, against one process), copy
+bandwidth, every Triton kernel against its torch reference, KDA prefill against fla's
 chunk_kda (when fla imports), and end-to-end decode and prefill of a Kimi-Linear-48B-shaped model with the fraction
 of the bandwidth bound reached.
 
@@ -91,7 +92,8 @@ def environment() -> dict[str, Any]:
 def engine_section() -> dict[str, Any]:
     """The engine checks on the bundled model, each recorded (or its error) on its own."""
     checks = {"seeded_sampling": attempt(lambda: engine_checks.seeded_sampling("cuda")),
-              "cuda_graphs": attempt(lambda: engine_checks.graphs_against_eager("cuda"))}
+              "cuda_graphs": attempt(lambda: engine_checks.graphs_against_eager("cuda")),
+              "tensor_parallel": attempt(lambda: engine_checks.tensor_parallel("cuda"))}
     backend.set_backend(None)                        # the engines chose backends process-wide; back to the default
     return checks
 
@@ -153,8 +155,20 @@ def engine_markdown(checks: dict[str, Any]) -> list[str]:
                   [[r["batch"], f"{r['equal_requests']}/{r['batch']}", r["replays"],
                     ", ".join(map(str, r["widths"])), r["max_logprob_diff"], "passed" if r["passed"] else "FAILED"]
                    for r in rows])]
-    return lines + [f"- batch {r['batch']}: request {r['first_mismatch']['request']} differs first at token "
-                    f"{r['first_mismatch']['token']}" for r in rows if r["first_mismatch"]]
+    lines += [f"- batch {r['batch']}: request {r['first_mismatch']['request']} differs first at token "
+              f"{r['first_mismatch']['token']}" for r in rows if r["first_mismatch"]]
+    return lines + ["", tp_markdown(checks.get("tensor_parallel", {"skipped": "not run"}))]
+
+
+def tp_markdown(tp: dict[str, Any]) -> str:
+    """The tensor-parallel check in one paragraph."""
+    if "passed" not in tp:
+        return f"Tensor parallelism (TP2 against one process): {tp.get('skipped') or tp.get('error')}."
+    mismatch = tp["first_mismatch"]
+    return (f"Tensor parallelism, TP2 (two rank processes) against one process, greedy, {tp['new_tokens']} tokens "
+            f"per request: **{'passed' if tp['passed'] else 'failed'}**; {tp['equal_requests']}/{tp['requests']} "
+            f"requests with equal tokens, max logprob diff {tp['max_logprob_diff']}"
+            + (f"; request {mismatch['request']} differs first at token {mismatch['token']}." if mismatch else "."))
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -238,7 +252,8 @@ def measure() -> None:
     results: dict[str, Any] = {"environment": environment(), "kernels": [], "fla_prefill": {"skipped": "not run"},
                                "model": {"skipped": "not run"},
                                "engine": {"seeded_sampling": {"skipped": "not run"},
-                                          "cuda_graphs": {"skipped": "not run"}}}
+                                          "cuda_graphs": {"skipped": "not run"},
+                                          "tensor_parallel": {"skipped": "not run"}}}
     results["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(), 1)
     print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s", flush=True)
     save(results, out)

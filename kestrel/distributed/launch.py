@@ -39,6 +39,7 @@ class RankSpec:
     local_rank: int
     init_method: str          # tcp://HOST:PORT, or env:// under torchrun
     spawned: bool             # started by another kestrel process (dies with it)
+    node_ranks: int | None = None     # ranks on this rank's node (None: all of them)
 
 
 def torchrun_spec() -> RankSpec | None:
@@ -46,7 +47,9 @@ def torchrun_spec() -> RankSpec | None:
     env = os.environ
     if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None
-    return RankSpec(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "env://", False)
+    world = int(env["WORLD_SIZE"])
+    return RankSpec(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), "env://", False,
+                    int(env.get("LOCAL_WORLD_SIZE", world)))
 
 
 def node_specs(layout: ParallelLayout, nnodes: int, node_rank: int, dist_init_addr: str | None) -> list[RankSpec]:
@@ -55,7 +58,7 @@ def node_specs(layout: ParallelLayout, nnodes: int, node_rank: int, dist_init_ad
     per_node = world // nnodes
     addr = dist_init_addr or f"127.0.0.1:{_free_port()}"
     first = node_rank * per_node
-    return [RankSpec(first + i, world, i, f"tcp://{addr}", i > 0) for i in range(per_node)]
+    return [RankSpec(first + i, world, i, f"tcp://{addr}", i > 0, per_node) for i in range(per_node)]
 
 
 def this_process_spec(layout: ParallelLayout, args) -> tuple[RankSpec, list[RankSpec]]:
@@ -76,21 +79,24 @@ def ranks_on_node(world_size: int, nnodes: int) -> int:
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
-    """The device of a rank: the CPU, or the CUDA device of its local rank."""
+    """The device of a rank: the CPU, or the CUDA device of its local rank (ranks beyond the node's GPU count share
+    them, round robin: a correctness setup, e.g. TP2 on one GPU)."""
     base = torch.device(device)
-    return base if base.type == "cpu" else torch.device(base.type, local_rank)
+    return base if base.type == "cpu" else torch.device(base.type, local_rank % max(torch.cuda.device_count(), 1))
 
 
 def init_process_groups(spec: RankSpec, layout: ParallelLayout, device: torch.device,
                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> tuple[Parallel, dist.ProcessGroup]:
-    """Join the instance: (the layers' Parallel over the TP group, the gloo group for step messages)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the instance: (the layers' Parallel over the TP group, the gloo group for step messages). Ranks that
+    share a GPU (NCCL refuses two ranks on one device) run their collectives through gloo, via host memory."""
+    shared_gpu = device.type == "cuda" and torch.cuda.device_count() < (spec.node_ranks or spec.world_size)
+    backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.world_size, rank=spec.rank,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Parallel(layout, dist.group.WORLD), control
+    return Parallel(layout, dist.group.WORLD, via_host=shared_gpu), control
 
 
 class Workers:

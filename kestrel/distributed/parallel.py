@@ -17,11 +17,13 @@ from .layout import ParallelLayout
 class Parallel:
     """The layout and the TP group (None in one process)."""
 
-    def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None):
+    def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None,
+                 via_host: bool = False):
         if layout.world_size > 1 and group is None:
             raise ValueError("a layout of more than one rank needs its process group.")
         self.layout = layout
         self.group = group
+        self.via_host = via_host      # GPU tensors go through host memory (gloo between ranks sharing a GPU)
         self.bytes_sent: Counter[str] = Counter()
 
     @property
@@ -33,6 +35,10 @@ class Parallel:
         if self.group is None:
             return x
         self.bytes_sent["all_reduce"] += x.nbytes
+        if self.via_host:
+            host = x.cpu()
+            dist.all_reduce(host, group=self.group)
+            return x.copy_(host)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -43,10 +49,12 @@ class Parallel:
             return x
         width = max(sizes)
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in sizes]
         self.bytes_sent["all_gather"] += padded.nbytes
+        if self.via_host:
+            padded = padded.cpu()
+        parts = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(parts, padded, group=self.group)
-        return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+        return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1).to(x.device)
 
 
 SINGLE = Parallel()

@@ -34,7 +34,9 @@ RESULTS = {
     "environment": {"device": "NVIDIA H200", "started": "2026-11-30 05:00:00 UTC",
                     "versions": {"torch": "2.13.0", "triton": "3.9.0"}},
     "copy_bandwidth_gbps": 4300.0,
-    "engine": {"seeded_sampling": SEEDED, "cuda_graphs": {"max_batch_size": 2, "rows": GRAPH_ROWS, "passed": False}},
+    "engine": {"seeded_sampling": SEEDED, "cuda_graphs": {"max_batch_size": 2, "rows": GRAPH_ROWS, "passed": False},
+               "tensor_parallel": {"tp_size": 2, "requests": 4, "new_tokens": 16, "equal_requests": 4,
+                                   "first_mismatch": None, "max_logprob_diff": 1e-06, "passed": True}},
     "kernels": [{"op": "kda_decode", "shape": "B=32", "triton_ms": 0.1, "torch_ms": 1.0, "speedup": 10.0,
                  "triton_gbps": 3000, "triton_tflops": 0.5, "max_rel_error": 1e-3}],
     "fla_prefill": {"skipped": "fla does not import here"},
@@ -75,7 +77,8 @@ def test_evidence_record_reads_back_into_the_matrix_as_runs(tmp_path, monkeypatc
     assert record.recipe == "kimi-linear-48b/h200/unified/low-latency" and record.hardware_id == "h200"
     assert record.benchmark["output_tokens_per_s"] == 250 and record.benchmark["decode"] == DECODE
     assert record.benchmark["engine_checks"] == {"seeded_sampling_passed": True,
-                                                 "cuda_graphs_equal_eager": {"1": True, "2": False}}
+                                                 "cuda_graphs_equal_eager": {"1": True, "2": False},
+                                                 "tp2_equals_one_process": True}
     assert record.accuracy is None and record.engine_args["cuda_graphs"]
     row = next(r for r in matrix_rows([record]) if r.recipe == record.recipe)
     assert row.badge == RUNS and row.summary.startswith("250.0 output tok/s at concurrency 1")
@@ -138,3 +141,14 @@ def test_graph_check_catches_a_corrupted_batch_of_one(graphs_on_cpu, monkeypatch
 def test_graph_check_refuses_an_engine_without_graphs():
     with pytest.raises(RuntimeError, match="replays no decode from graphs"):
         engine_checks.graphs_against_eager("cpu", max_batch_size=1, new_tokens=2)
+
+
+def test_tensor_parallel_check_on_the_cpu():
+    """The check the GPU run records, on two CPU rank processes (gloo)."""
+    result = engine_checks.tensor_parallel("cpu", new_tokens=3, requests=2)
+    assert result["passed"], result
+    assert result["equal_requests"] == 2 and result["first_mismatch"] is None
+    assert result["max_logprob_diff"] < 0.1            # bf16 (the checkpoint's dtype): partials summed in another order
+    assert "**passed**; 2/2 requests with equal tokens" in run.tp_markdown(result)
+    assert run.tp_markdown({"error": "RuntimeError: x"}) == ("Tensor parallelism (TP2 against one process): "
+                                                           "RuntimeError: x.")

@@ -154,31 +154,28 @@ def streamed_generate(url: str, body: dict) -> list[dict]:
 
 
 def test_sglang_generate_answers_as_sglang_and_as_the_openai_endpoint(fleet):
-    """SGLang's native /generate: the OpenAI endpoint's greedy text in SGLang's shape, on a unified server, through
-    the data-parallel router and through the PD router (which adds the bootstrap fields to /generate too)."""
+    """SGLang's native /generate: the OpenAI endpoint's greedy text in SGLang's shape on a unified server (a batch
+    too, which the router does not forward), and the same answers through the data-parallel router and through the
+    PD router (which adds the bootstrap fields to /generate too)."""
     procs, _ = fleet
     unified = procs["u1"].url
-    greedy = {"temperature": 0, "max_new_tokens": 10}
-    expected = post(unified, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 10}).json()
+    greedy = {"temperature": 0, "max_new_tokens": 6}
+    prompts = [PROMPT, "The queen"]
+    expected = post(unified, "/v1/completions", {"prompt": prompts, "n": 2, "temperature": 0, "max_tokens": 6}).json()
+    batch = {"text": prompts, "sampling_params": {**greedy, "n": 2}}
+    assert [x["text"] for x in generate(unified, batch).json()] == [c["text"] for c in expected["choices"]]
+    assert [x["text"] for x in streamed_generate(unified, batch)] == [c["text"] for c in expected["choices"]]
     one = generate(unified, {"text": PROMPT, "sampling_params": greedy}).json()
-    assert one["text"] == expected["choices"][0]["text"] and len(one["output_ids"]) == 10
-    meta = one["meta_info"]
-    assert meta["finish_reason"] == {"type": "length", "length": 10}
-    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (expected["usage"]["prompt_tokens"], 10)
-    assert meta["cached_tokens"] >= 0
-    batch = {"text": [PROMPT, "The queen"], "sampling_params": {**greedy, "n": 2}}     # the router takes one text
-    texts = [c["text"] for c in post(unified, "/v1/completions", {"prompt": [PROMPT, "The queen"], "n": 2,
-                                                                 "temperature": 0, "max_tokens": 10}).json()["choices"]]
-    assert [x["text"] for x in generate(unified, batch).json()] == texts
-    assert [x["text"] for x in streamed_generate(unified, batch)] == texts
+    assert one["text"] == expected["choices"][0]["text"] and len(one["output_ids"]) == 6
+    assert one["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert one["meta_info"]["completion_tokens"] == 6 and one["meta_info"]["cached_tokens"] >= 0
     ids = httpx.post(unified + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
-    stop = {**greedy, "stop": ["\n"], "no_stop_trim": True}
-    bodies = [{"text": PROMPT, "sampling_params": greedy}, {"input_ids": ids, "sampling_params": greedy},
-              {"text": PROMPT, "sampling_params": {**greedy, "n": 2}}, {"text": PROMPT, "sampling_params": stop}]
+    assert one["meta_info"]["prompt_tokens"] == len(ids)
+    stop = {**greedy, "n": 2, "stop": ["\n"], "no_stop_trim": True}
     fields = lambda items: [(x["text"], x["output_ids"], x["meta_info"]["finish_reason"]) for x in items]  # noqa: E731
-    for body in bodies:
-        want = generate(unified, body).json()
-        want = want if isinstance(want, list) else [want]
+    for body, want in [({"text": PROMPT, "sampling_params": greedy}, [one]),
+                       ({"input_ids": ids, "sampling_params": stop}, None)]:
+        want = want or generate(unified, body).json()
         for url in (procs["dp"].url, procs["pd"].url):
             got = generate(url, body).json()
             assert fields(got if isinstance(got, list) else [got]) == fields(want), (url, body)

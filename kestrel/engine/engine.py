@@ -16,6 +16,7 @@ import torch
 
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
+from ..models.block_draft import load_block_draft
 from .args import EngineArgs
 from .cache.device_ops import DeviceOps, apply_ops
 from .cache.kv_pool import KVPool
@@ -31,6 +32,7 @@ from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprob
                        new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
 from .spec import ngram
+from .spec.block import BlockDrafter
 from .spec.mtp import DraftInput, MTPDrafter
 from .spec.stats import SpecStats
 from .spec.verify import verify
@@ -52,12 +54,13 @@ class LLMEngine:
         self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
         device = self.ranks.device if self.ranks else torch.device(args.device)
         graphs = not args.disable_cuda_graph and graphs_supported(device)
-        if graphs and args.speculative_algorithm == "NEXTN":
+        if graphs and args.speculative_algorithm in ("NEXTN", "DFLASH"):
             graphs = False
-            log.info("decode: CUDA graphs are not used with the MTP drafter yet (it reads every step's hidden states)")
-        if args.speculative_algorithm == "NEXTN" and self.ranks:
+            log.info("decode: CUDA graphs are not used with model drafters yet (they read every step's hidden states)")
+        if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
             self.shutdown()
-            raise ValueError("the MTP drafter (NEXTN) runs in one process for now; drop --tp-size or use NGRAM.")
+            raise ValueError(f"the {args.speculative_algorithm} drafter runs in one process for now; drop --tp-size "
+                             "or use NGRAM.")
         if graphs and self.ranks:
             log.info("decode: CUDA graphs are not used with more than one rank yet; decoding eagerly")
         try:
@@ -102,6 +105,9 @@ class LLMEngine:
                 raise ValueError(f"--speculative-algorithm NEXTN drafts with the model's MTP layers, and "
                                  f"{args.model} has none.")
             self.drafter = MTPDrafter(self.model, self.cache, page_table)
+        elif args.speculative_algorithm == "DFLASH":
+            draft = load_block_draft(args.speculative_draft_model_path, self.model.lm_head.weight.dtype, device)
+            self.drafter = BlockDrafter(self.model, draft)
         torch.manual_seed(args.random_seed)
 
     def shutdown(self) -> None:

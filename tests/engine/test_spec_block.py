@@ -1,0 +1,31 @@
+"""Speculative decoding with the block draft (DFLASH) on the bundled model: greedy output equals plain greedy
+output token for token. In float32: in bfloat16 the verification's batched arithmetic rounds differently from
+one-token steps, so near-ties can go the other way."""
+
+from __future__ import annotations
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
+from helpers import assert_idle
+
+DRAFT = BUNDLED_MODEL.parent / "k3.1-tiny-dflash"
+PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
+
+
+def test_dflash_greedy_speculation_equals_plain_greedy():
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(BUNDLED_MODEL), dtype="float32")
+    spec = LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(DRAFT), speculative_num_draft_tokens=4)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == expected
+    stats = spec.engine.spec_stats
+    assert stats.verifications > 0 and stats.accepted_tokens > 0
+    assert_idle(spec.engine.scheduler)
+
+
+def test_dflash_needs_a_draft_model_path():
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        EngineArgs(model=str(BUNDLED_MODEL), speculative_algorithm="DFLASH")

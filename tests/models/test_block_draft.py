@@ -1,0 +1,98 @@
+"""The block draft shipped beside the bundled model (models/k3.1-tiny-dflash): its folder round-trips, the
+engine's BlockDrafter proposes exactly the draft model's argmax, and its model card's acceptance lengths hold when
+tools/block_draft_eval.py re-measures them on the held-out sample."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel.engine.spec.block import BlockDrafter
+from kestrel.engine.spec.mtp import DraftInput
+from kestrel.models.block_draft import (BlockDraftConfig, BlockDraftModel, block_logits, load_block_draft,
+                                        save_block_draft)
+from kestrel.models.checkpoint import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET, DRAFT = ROOT / "models" / "k3.1-tiny", ROOT / "models" / "k3.1-tiny-dflash"
+CARD = json.loads((DRAFT / "eval.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(TARGET, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return load_block_draft(DRAFT, torch.float32)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = BlockDraftModel(BlockDraftConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48,
+                                             block_size=3)).init_weights(seed=1)
+    save_block_draft(model, tmp_path)
+    loaded = load_block_draft(tmp_path)
+    assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16).float()), name
+    hidden, embeds = torch.randn(2, 32), torch.randn(2, 32)
+    assert loaded(hidden, embeds).shape == (2, 3, 32)
+    (tmp_path / "config.json").write_text(json.dumps({**model.config.to_json(), "block_size": 4}))
+    with pytest.raises(ValueError, match="does not hold the tensors"):
+        load_block_draft(tmp_path)
+
+
+def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft):
+    """Each input's drafts: the draft model run alone on its last hidden state and next token, argmax, the first
+    `count` of the block; inputs that want none get none."""
+    gen = torch.Generator().manual_seed(0)
+    size = draft.config.block_size
+    inputs = [DraftInput(slot=i, start=5, hidden=torch.randn(m, 192, generator=gen) * 2,
+                         next_ids=torch.randint(4000, (m,), generator=gen).tolist(), capacity=64, count=count)
+              for i, (m, count) in enumerate([(1, 4), (3, 0), (7, size + 3), (2, 1)])]
+    drafts = BlockDrafter(target, draft).draft(inputs)
+    for x, got in zip(inputs, drafts):
+        with torch.no_grad():
+            alone = block_logits(target, draft, x.hidden[-1:], torch.tensor(x.next_ids[-1:]))[0].argmax(-1)
+        assert got == alone.tolist()[:x.count]
+    assert [len(d) for d in drafts] == [4, 0, size, 1]
+
+
+def test_a_draft_of_another_width_is_refused(target):
+    with pytest.raises(ValueError, match="hidden size 32"):
+        BlockDrafter(target, BlockDraftModel(BlockDraftConfig(hidden_size=32, num_heads=2)))
+
+
+def test_acceptance_on_the_held_out_sample_matches_the_card(target, draft):
+    sys.path.insert(0, str(ROOT / "tools"))
+    from block_draft_data import PromptSource
+    from block_draft_eval import measure
+    from corpus import Work
+    from tokenizers import Tokenizer
+
+    card = CARD["sample"]
+    prompt_len = CARD["protocol"]["prompt_len"]
+    text = (DRAFT / card["file"]).read_text(encoding="utf-8")
+    source = PromptSource([Work("sample", text)], Tokenizer.from_file(str(TARGET / "tokenizer.json")), prompt_len)
+    ks = tuple(int(key[2:]) for key in card if key.startswith("k="))
+    got = measure(target, draft, source.spread(card["prompts"]), card["new_tokens"], ks)
+    assert got["positions"] == card["positions"]
+    for k in ks:      # float32 everywhere: equal here; one flipped near-tie elsewhere moves a step or two
+        assert got[f"k={k}"]["acceptance_length"] == pytest.approx(card[f"k={k}"]["acceptance_length"], abs=0.02)
+
+
+def test_model_card_quotes_eval_json():
+    text = (DRAFT / "README.md").read_text()
+    tables = re.findall(r"((?:^\| \d+ \| \d+\.\d+ \| [\d,]+ \|\n)+)", text, re.MULTILINE)
+    assert len(tables) == 2
+    for table, entry in zip(tables, (CARD["held_out"], CARD["sample"])):
+        for k, length, steps in re.findall(r"^\| (\d+) \| (\d+\.\d+) \| ([\d,]+) \|$", table, re.MULTILINE):
+            assert f"{entry[f'k={k}']['acceptance_length']:.2f}" == length
+            assert entry[f"k={k}"]["steps"] == int(steps.replace(",", ""))
+    assert sum(f.stat().st_size for f in DRAFT.glob("*.safetensors")) <= 8 * 10**6

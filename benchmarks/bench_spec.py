@@ -1,5 +1,6 @@
-"""Speculative decoding on the CPU with the bundled model (models/k3.1-tiny): plain decoding against NGRAM drafts
-and the model's own MTP layer (NEXTN), at 1 and 8 concurrent requests.
+"""Speculative decoding on the CPU with the bundled model (models/k3.1-tiny): plain decoding against NGRAM drafts,
+the model's own MTP layer (NEXTN) and the block draft shipped beside it (DFLASH, models/k3.1-tiny-dflash), at 1
+and 8 concurrent requests.
 
 One run, same machine, float32 (in bfloat16 the verification's batched arithmetic rounds differently from
 one-token steps, so near-ties can flip), greedy, EOS ignored. Two workloads from the held-out sample
@@ -33,7 +34,9 @@ ROUNDS = 2
 OUTPUT_TOKENS = 96
 CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
            "NEXTN k=1": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 1},
-           "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2}}
+           "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},
+           "DFLASH k=4": {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 4,
+                          "speculative_draft_model_path": str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")}}
 
 
 def workloads(ids: list[int]) -> dict[str, list[list[int]]]:
@@ -88,7 +91,8 @@ def main() -> None:
         "The bundled model in float32, greedy, EOS ignored, 96 output tokens per request. \"held-out\": 64-token "
         "stretches of the held-out sample; \"quoting\": a 96-token stretch followed by its first 32 tokens again "
         "(text that quotes earlier text, as tool results and code edits do). NGRAM drafts from the sequence's own "
-        "earlier tokens; NEXTN from the model's MTP layer, chained for k > 1. Acceptance length: tokens emitted per "
+        "earlier tokens; NEXTN from the model's MTP layer, chained for k > 1; DFLASH from the block draft "
+        "(`models/k3.1-tiny-dflash`, one forward per block). Acceptance length: tokens emitted per "
         f"verification step. Each configuration ran {ROUNDS} times, alternating; the table keeps the best time.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",

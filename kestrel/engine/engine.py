@@ -262,14 +262,14 @@ class LLMEngine:
             return [request.output() for request in rejected]
         touched: dict[str, Request] = {r.request_id: r for r in rejected}
         plain, verifying = [c for c in chunks if not c.draft], [c for c in chunks if c.draft]
-        computed: list[tuple[Sequence, int, torch.Tensor]] = []     # for the MTP drafter
+        computed: list[tuple[Sequence, int, torch.Tensor]] = []     # for a model drafter (MTP, block draft)
         if plain:
             self._run_plain(plain, touched, computed)
         if verifying:
             self._run_verify(verifying, touched, computed)
         if self.drafter is not None:
             started = time.perf_counter()
-            self._draft_with_mtp(computed)
+            self._draft_from_hidden(computed)
             self.spec_stats.draft_seconds += time.perf_counter() - started
         for request_id, request in touched.items():
             if request.finished:
@@ -332,9 +332,9 @@ class LLMEngine:
             n = seq.num_tokens
             seq.draft = tuple(ngram.propose(seq.tokens(max(n - ngram.WINDOW, 0), n), self._draft_room(seq)))
 
-    def _draft_with_mtp(self, computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
-        """Run the MTP layer over the positions this step computed and kept (writing its cache), and draft the
-        next step's tokens from it. A position's input is its hidden state and the token after it, so a chunk's
+    def _draft_from_hidden(self, computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """Hand the model drafter (MTP layer, block draft) the positions this step computed and kept, and take its
+        drafts for the next step. A position's input is its hidden state and the token after it, so a chunk's
         last position waits for that token: the next prompt token, or the one just sampled."""
         inputs, owners = [], []
         for seq, start, hidden in computed:

@@ -105,7 +105,7 @@ class ModelRunner:
         batch = ForwardBatch.build(step.lengths, step.starts, slots, self.page_table.gather(slots, step.width),
                                    self.cache.page_size, self.device, keep_token_states=step.verify)
         hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
-        self.hidden = hidden                  # [T, D]: what an MTP drafter reads after the step
+        self.hidden = hidden                  # [T, D]: what a model drafter reads after the step
         ends = batch.cu_seqlens[1:].tolist()
         all_rows = set(step.all_rows)
         wanted = sorted(all_rows | set(step.samples))

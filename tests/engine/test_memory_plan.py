@@ -90,3 +90,25 @@ def test_serving_the_bundled_model_allocates_no_mtp_pages_and_decodes_right():
     seq = torch.tensor(prompt + out)
     logits = engine.model.compute_logits(engine.model(seq, ForwardBatch.build([len(seq)])))
     assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out       # each token the argmax after its prefix
+
+
+@pytest.mark.parametrize("running", [None, 3])
+def test_speculative_verification_states_are_reserved_per_running_request(running):
+    """Each running request keeps draft tokens + 1 KDA states (recurrent in fp32) while its draft is verified:
+    the plan takes them off the state share, and the whole plan still fits the budget."""
+    config = load_config(BUNDLED)
+    memory, weights, dtypes = 2**30, 12 * 2**20, (torch.bfloat16, torch.float32, torch.bfloat16)
+    plain = plan_memory(config, EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5,
+                                           max_running_requests=running), weights, memory, *dtypes)
+    spec = plan_memory(config, EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5, max_running_requests=running,
+                                          speculative_algorithm="NGRAM", speculative_num_draft_tokens=3),
+                       weights, memory, *dtypes)
+    kda_layers = len(config.kda_layers)
+    h, d = config.kda_num_heads, config.kda_head_dim
+    assert spec.verify_tokens == 4 and plain.verify_tokens == plain.verify_bytes == 0
+    assert spec.token_state_bytes == kda_layers * (h * d * d * 4 + (config.conv_kernel_size - 1) * 3 * h * d * 2)
+    assert spec.num_slots < plain.num_slots
+    used = spec.state_pool_bytes + spec.verify_bytes + spec.kv_pool_bytes
+    assert used <= memory // 2 - weights < used + spec.state_bytes_per_slot + spec.token_state_bytes * 4 + \
+        spec.kv_bytes_per_token * spec.page_size
+    assert "4 token states" in spec.describe() and "speculative" not in plain.describe()

@@ -164,6 +164,8 @@ def test_an_abort_between_verifications_frees_everything(model_dir, oracle):
     for _ in range(4):
         engine.step()
     assert engine.spec_stats.verifications > 0
+    held = sum(s.token_states.recurrent.nbytes + s.token_states.conv.nbytes for s in engine.cache.kda)
+    assert 0 < held <= engine.plan.verify_bytes            # the per-token states fit what the plan reserved
     engine.abort_request("a")
     assert_idle(engine.scheduler)
 

@@ -3,7 +3,10 @@
 SGLang's semantics: the budget is mem_fraction_static of the device's memory; the weights come off it; the rest
 is divided so that state bytes : KV bytes = mamba_full_memory_ratio, unless max_mamba_cache_size fixes the slots;
 max_total_tokens caps the KV pool.
-Every running sequence holds one state slot (no prefix cache yet), so the slots cap the concurrency.
+Every running sequence holds one state slot, so the slots cap the concurrency (prefix-cache snapshots take only
+free slots). With speculative decoding each running sequence also needs, while its draft is verified, the KDA
+state after every verified token (draft tokens + 1 of them, recurrent in fp32: SGLang's extra state slots per
+request); they come off the state share first.
 The KV pool caches the decoder's MLA layers only: the MTP layers get pages when a drafter runs them (mtp_layers).
 """
 
@@ -31,6 +34,8 @@ class MemoryPlan:
     state_bytes_per_slot: int
     kv_bytes_per_token: int       # the decoder's MLA layers, plus mtp_layers MTP layers
     mtp_layers: int
+    verify_tokens: int            # speculative decoding: tokens per verification whose states each running seq keeps
+    token_state_bytes: int        # one such state (every KDA layer, recurrent in fp32)
     num_slots: int
     num_pages: int
     page_size: int
@@ -49,6 +54,11 @@ class MemoryPlan:
     def kv_pool_bytes(self) -> int:
         return self.kv_tokens * self.kv_bytes_per_token
 
+    @property
+    def verify_bytes(self) -> int:
+        """Reserved for speculative verification: every running sequence's per-token states."""
+        return self.max_running_requests * self.verify_tokens * self.token_state_bytes
+
     def describe(self) -> str:
         """The start-up log block."""
         gib = 2**30
@@ -60,6 +70,8 @@ class MemoryPlan:
             f"{self.num_pages:,} pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)",
             f"  KDA state: {self.state_bytes_per_slot:,} B per slot, {self.num_slots:,} slots "
             f"({self.state_pool_bytes / gib:.3f} GiB)",
+            *([f"  speculative verification: {self.verify_tokens} token states of {self.token_state_bytes:,} B per "
+               f"running request ({self.verify_bytes / gib:.3f} GiB)"] if self.verify_tokens else []),
             f"  concurrency cap: {self.max_running_requests:,} running requests; context length "
             f"{self.context_length:,} tokens",
         ])
@@ -85,13 +97,20 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
                               "--mem-fraction-static or use a device with more memory.")
     per_slot = state_bytes_per_slot(config, dtype, ssm_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype, mtp_layers)
+    verify = args.speculative_num_draft_tokens + 1 if args.speculative_algorithm != "none" else 0
+    token_state = state_bytes_per_slot(config, dtype, torch.float32)
+    per_running = verify * token_state            # what each running sequence needs beyond its slot
     if args.max_mamba_cache_size is not None:
         slots = args.max_mamba_cache_size
-        kv_budget = rest - slots * per_slot
     else:
         ratio = args.mamba_full_memory_ratio
-        slots = int(rest * ratio / (1 + ratio)) // per_slot
-        kv_budget = rest - slots * per_slot
+        state_budget = int(rest * ratio / (1 + ratio))
+        if args.max_running_requests is not None:
+            slots = max(state_budget - args.max_running_requests * per_running, 0) // per_slot
+        else:
+            slots = state_budget // (per_slot + per_running)
+    running = min(args.max_running_requests or slots, slots)
+    kv_budget = rest - slots * per_slot - running * per_running
     pages = max(kv_budget, 0) // (per_token * args.page_size)
     if args.max_total_tokens is not None:
         pages = min(pages, args.max_total_tokens // args.page_size)
@@ -100,7 +119,7 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
                               f"{per_slot:,} B and {pages} KV pages of {args.page_size} x {per_token:,} B; at least "
                               "one of each is needed: raise --mem-fraction-static or change the state:KV ratio.")
     context = min(args.context_length or config.max_position_embeddings, pages * args.page_size)
-    running = min(args.max_running_requests or slots, slots)
     return MemoryPlan(device_memory=memory, budget=budget, weight_bytes=weight_bytes, state_bytes_per_slot=per_slot,
-                      kv_bytes_per_token=per_token, mtp_layers=mtp_layers, num_slots=slots, num_pages=pages,
+                      kv_bytes_per_token=per_token, mtp_layers=mtp_layers, verify_tokens=verify,
+                      token_state_bytes=token_state, num_slots=slots, num_pages=pages,
                       page_size=args.page_size, max_running_requests=running, context_length=context)

@@ -17,6 +17,7 @@ from .agentic import AgenticShape, Chain, Session, describe, sessions
 from .client import Client, RequestSpec, ServerError, server_info
 from .metrics import RequestRecord, summarize
 from .prefix import prefix_cache_report, tokenize_bodies
+from .speculative import speculative_report
 from .workloads import FileWorkload, RandomWorkload
 
 
@@ -134,6 +135,7 @@ def result_document(config: RunConfig, run: dict, workload: dict, command: list[
             "workload": workload, "partial": metrics["failed"] > 0 or "error" in after,
             "server_before": before, "server_after": after, "metrics": metrics,
             "prefix_cache": _prefix_cache(config, run, before, after),
+            "speculative": speculative_report(before.get("metrics"), after.get("metrics")),
             "requests": [asdict(r) for r in run["records"]]}
 
 
@@ -172,8 +174,8 @@ def run_sweep(config: RunConfig, concurrencies: list[int], output: Path, command
 def summary_markdown(results: list[dict]) -> str:
     rows = ["| workload | concurrency | completed | failed | req/s | output tok/s | total tok/s/GPU | "
             "TTFT median ms | TPOT median ms | ITL p90 ms | AgentX tok/s/GPU | p90 interactivity tok/s | "
-            "prefix hit % (server) | prefix hit % (max) |",
-            "|" + "---|" * 14]
+            "prefix hit % (server) | prefix hit % (max) | acceptance length |",
+            "|" + "---|" * 15]
     for r in results:
         m = r["metrics"]
         ms = lambda d, k: "-" if d[k] is None else f"{1000 * d[k]:.1f}"  # noqa: E731
@@ -182,10 +184,17 @@ def summary_markdown(results: list[dict]) -> str:
                     f"{m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
                     f"{m['total_token_throughput_per_gpu']:.1f} | {ms(m['ttft_s'], 'median')} | "
                     f"{ms(m['tpot_s'], 'median')} | {ms(m['itl_s'], 'p90')} | {m['agentx']['total_tput_per_gpu']:.1f} | "
-                    f"{'-' if interactivity is None else f'{interactivity:.1f}'} | {_hit_rates(r)} |")
+                    f"{'-' if interactivity is None else f'{interactivity:.1f}'} | {_hit_rates(r)} | "
+                    f"{_acceptance(r)} |")
     failures = {k: v for r in results for k, v in r["metrics"]["failure_reasons"].items()}
     notes = [f"- failures: {failures}"] if failures else []
     return "\n".join(["# Benchmark summary", "", *rows, "", *notes]) + "\n"
+
+
+def _acceptance(result: dict) -> str:
+    """The run's mean acceptance length ('-' without speculative decoding or counters)."""
+    length = (result.get("speculative") or {}).get("acceptance_length")
+    return "-" if length is None else f"{length:.2f}"
 
 
 def _hit_rates(result: dict) -> str:

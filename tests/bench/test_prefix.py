@@ -8,6 +8,7 @@ import json
 import httpx
 
 from kestrel.bench.prefix import HIT, QUERIED, metric, prefix_cache_report, theoretical_hits
+from kestrel.bench.speculative import speculative_report
 from kestrel.cli import main
 
 A = list(range(20, 32))                       # 12 tokens
@@ -54,4 +55,15 @@ def test_run_reports_server_hit_rate_from_metrics(live, tmp_path):
     assert (cache["server"]["queried_tokens"], cache["server"]["hit_tokens"]) == (54, served)
     assert cache["server"]["hit_tokens"] <= cache["theoretical"]["cacheable_tokens"]
     summary = (out / "summary.md").read_text()
-    assert f"| {100 * served / 54:.1f} | {100 * 23 / 54:.1f} |" in summary
+    assert f"| {100 * served / 54:.1f} | {100 * 23 / 54:.1f} | - |" in summary        # no speculative decoding
+    assert result["speculative"]["verifications"] == 0
+
+
+def test_speculative_report_is_the_metrics_delta():
+    def text(steps, drafted, accepted):
+        return (f"kestrel_spec_verifications {steps}\nkestrel_spec_draft_tokens {drafted}\n"
+                f"kestrel_spec_accepted_tokens {accepted}\n")
+    report = speculative_report(text(10.0, 40.0, 12.0), text(30.0, 120.0, 42.0))
+    assert report == {"verifications": 20, "draft_tokens": 80, "accepted_tokens": 30, "acceptance_length": 2.5}
+    assert speculative_report(text(3.0, 9.0, 1.0), text(3.0, 9.0, 1.0))["acceptance_length"] is None
+    assert speculative_report("other 1\n", text(1.0, 1.0, 1.0)) is None

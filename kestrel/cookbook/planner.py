@@ -15,6 +15,7 @@ from typing import Any
 from .anchors import anchors, calculator_constants
 from .calculator import (CacheSettings, balanced_ratio, kv_bytes_per_token_per_rank, slots_per_request,
                          verify_states, verify_width)
+from ..disagg.size import handoff_bytes
 from ..distributed.layout import ParallelLayout
 from ..engine.args import EngineArgs
 from ..engine.cache.planner import MemoryPlanError, plan_memory
@@ -98,6 +99,7 @@ class Plan:
     crossovers: list[Crossover]
     unknowns: list[Unknown]
     notes: list[str]
+    handoff_bytes: int | None                   # a PD role's handoff of one avg_request_len prompt; None: Unified
 
     @property
     def weight_bytes_per_rank_total(self) -> int:
@@ -138,6 +140,7 @@ class Plan:
             "crossovers": [asdict(c) for c in self.crossovers],
             "unknowns": [asdict(u) for u in self.unknowns],
             "notes": self.notes,
+            "handoff_bytes": self.handoff_bytes,
         }
 
 
@@ -271,6 +274,15 @@ def _kestrel_pools(request: PlanRequest, model: ModelFacts, weight_bytes: int, m
         return Pools(int(memory_per_rank * request.mem_fraction) - weight_bytes, 0, 0, 0)
     return Pools(memory_plan.budget - weight_bytes, memory_plan.num_slots, memory_plan.kv_tokens,
                  memory_plan.max_running_requests)
+
+
+def _handoff_bytes(request: PlanRequest, model: ModelFacts, settings: CacheSettings) -> int | None:
+    """What kestrel's prefill instance sends its decode instance for one prompt of avg_request_len tokens (its own
+    page size and KV layout); None in Unified mode."""
+    if settings.mode == "unified":
+        return None
+    return handoff_bytes(model.config, request.avg_request_len, EngineArgs.page_size, DTYPES[model.dtype],
+                         SSM_DTYPES[settings.ssm_dtype], KV_DTYPES[settings.kv_dtype])
 
 
 def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_fraction: float, avg_request_len: int,
@@ -445,7 +457,8 @@ def plan(request: PlanRequest) -> Plan:
                 slots_per_request=slots, verify_states=verify,
                 balanced_ratio=balanced, ratio=ratio, memory_bytes_per_rank=memory_per_rank, pools=pools, fits=fits,
                 fit_reason=reason, min_devices=others, roofline=steps, crossovers=_crossovers(model, steps),
-                unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings, model))
+                unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings, model),
+                handoff_bytes=_handoff_bytes(request, model, settings))
 
 
 def _fit(pools: Pools | None, request: PlanRequest) -> tuple[bool | None, str]:

@@ -3,7 +3,8 @@ strategy, speculation, HiCache and quantization, with the planner's memory ratio
 
 A recipe is named by an id, `model/hardware/mode/strategy[,spec=...][,hicache=...][,quant=...]`, which evidence
 records and the verification matrix use. SGLang's page is the anchor: a combination it does not offer is refused
-with its reason; vLLM and kestrel may refuse a recipe SGLang offers, each with its own reason.
+with its reason; vLLM and kestrel may refuse a recipe SGLang offers, each with its own reason. A PD recipe (mode
+prefill or decode) is one half of a disaggregated deployment: that role's instance, then the router in front of both.
 """
 
 from __future__ import annotations
@@ -146,30 +147,50 @@ def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, ext
     return " ".join([*parts, *extra])
 
 
+def _handoff_note(recipe_plan: Plan) -> list[str]:
+    """The plan's PD handoff size, for a prefill or decode recipe."""
+    if recipe_plan.handoff_bytes is None:
+        return []
+    return [f"a PD handoff of a prompt of {recipe_plan.request.avg_request_len:,} tokens moves "
+            f"{recipe_plan.handoff_bytes / 1e9:,.3f} GB in kestrel's layout (latents and indexer keys in whole pages, "
+            "plus the fixed KDA state: kestrel.disagg.size.handoff_bytes)"]
+
+
 def _kestrel_cpu(request: RecipeRequest) -> Recipe:
-    """kestrel on this machine's CPU, one device: the bundled model, or a random checkpoint of a tiny preset."""
+    """kestrel on this machine's CPU, one device per instance: the bundled model, or a random checkpoint of a tiny
+    preset; Unified, or one PD role on loopback."""
     rules = _kestrel_rules()
     if request.model not in rules["cpu_models"]:
         raise RecipeRefused(f"CPU recipes serve the tiny models ({', '.join(rules['cpu_models'])}); "
                             f"{request.model} does not fit a CPU machine (see `kestrel plan`).")
-    if request.mode != "unified" or request.strategy != "low-latency":
-        raise RecipeRefused("a CPU recipe is one device: Unified mode, low-latency strategy.")
+    if request.strategy != "low-latency":
+        raise RecipeRefused("a CPU recipe is one device per instance: the low-latency strategy (Unified, or one PD "
+                            "role).")
     if request.spec != "none":
         raise RecipeRefused(rules["unsupported"]["spec"] + ".")
     if request.quant is not None:
         raise RecipeRefused("the tiny models keep their formats; drop --quant.")
     plan_model, folder, prepare = _cpu_model(request.model)
     cpu_plan = plan(PlanRequest(model=plan_model, hardware=CPU, dtype="fp32", layout=Layout(tp=1),
-                                cache=CacheSettings(kv_dtype="fp32"), hicache=request.hicache,
+                                cache=CacheSettings(kv_dtype="fp32", mode=request.mode), hicache=request.hicache,
                                 avg_request_len=request.avg_request_len, mem_fraction=rules["cpu_mem_fraction"],
                                 batches=(1, 8), engine="kestrel"))
     ratio = ratio_text(cpu_plan.ratio)
-    lines = [*prepare, _kestrel_serve(folder, "cpu", cpu_plan, ratio, _hicache_flags(request.hicache))]
-    notes = [rules["radix_note"],
-             "the bundled model, trained; `kestrel verify` checks it by its held-out perplexity"
-             if not prepare else "random weights: a smoke test of the serving path, not a model"]
+    extra, router, pd_notes = _hicache_flags(request.hicache), [], []
+    if request.mode != "unified":
+        pd = rules["pd"]
+        extra += [pd["role_flags"][request.mode], f"--port {pd['ports'][request.mode]}"]
+        router = [pd["router"]]
+        halves = {mode: replace(request, mode=mode).id for mode in ("prefill", "decode")}
+        pd_notes = [pd["note"].format(**halves), *_handoff_note(cpu_plan)]
+    lines = [*prepare, _kestrel_serve(folder, "cpu", cpu_plan, ratio, extra), *router]
+    model_note = ("random weights: a smoke test of the serving path, not a model" if prepare else
+                  "the bundled model, trained" + ("; `kestrel verify` checks it by its held-out perplexity"
+                                                  if request.mode == "unified" else ""))
+    notes = [rules["radix_note"], model_note, *pd_notes]
     refusal = "SGLang and vLLM publish no CPU recipe for this family"
-    return Recipe(request=request, plan=cpu_plan, ratio_text=ratio, lane="kestrel on CPU", nodes=1, per_node=1,
+    lane = "kestrel on CPU" + ("" if request.mode == "unified" else f", {request.mode} instance")
+    return Recipe(request=request, plan=cpu_plan, ratio_text=ratio, lane=lane, nodes=1, per_node=1,
                   sglang_status=None, commands={"kestrel": EngineCommand(lines=lines, strategy="single device")},
                   refusals={"sglang": refusal, "vllm": refusal}, notes=notes)
 
@@ -181,7 +202,7 @@ def _sglang_command(cell: sglang_recipe.SGLangCell, request: RecipeRequest, rati
     return EngineCommand(lines=lines, image=cell.image, strategy=cell.label, notes=cell.notes)
 
 
-def _recipe_notes(cell: sglang_recipe.SGLangCell, request: RecipeRequest) -> list[str]:
+def _recipe_notes(cell: sglang_recipe.SGLangCell, request: RecipeRequest, recipe_plan: Plan) -> list[str]:
     notes = []
     if cell.pins_mamba_cache_size:
         notes.append("this cell sizes the state pool with --max-mamba-cache-size instead of a ratio; the ratio shown "
@@ -189,7 +210,7 @@ def _recipe_notes(cell: sglang_recipe.SGLangCell, request: RecipeRequest) -> lis
     if request.mode != "unified":
         notes.append("PD disaggregation: run the prefill and decode servers, then the router; SGLang's router takes "
                      "the prefill's bootstrap port after its URL")
-    return notes
+    return notes + _handoff_note(recipe_plan)
 
 
 def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_plan: Plan) -> EngineCommand:
@@ -199,7 +220,6 @@ def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_
     hardware = anchors()["hardware"][cell.hardware_key]
     quant = request.quant or sglang_recipe.default_quant(request.hardware)
     refusals = [(hardware["family"] != "nvidia", rules["unsupported"]["hardware"].format(hardware=request.hardware)),
-                (request.mode != "unified", rules["unsupported"]["mode"]),
                 (request.spec != "none", rules["unsupported"]["spec"]),
                 (quant != "mxfp4", rules["unsupported"]["quant"].format(quant=quant))]
     for refused, reason in refusals:
@@ -212,6 +232,10 @@ def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_
         raise RecipeRefused(f"kestrel's engine cannot run {planned.layout.describe()}: {str(e).rstrip('.')}.") from e
     if not kestrel_plan.fits:
         raise RecipeRefused(f"kestrel's plan of {planned.layout.describe()} does not fit: {kestrel_plan.fit_reason}.")
+    if request.mode != "unified":
+        raise RecipeRefused(rules["unsupported"]["pd_ranks"].format(mode=request.mode,
+                                                                    layout=planned.layout.describe(),
+                                                                    nodes=cell.nodes, per_node=cell.per_node) + ".")
     ratio = ratio_text(kestrel_plan.ratio)
     folder = f"models/{cell.model_path.rsplit('/', 1)[-1]}"
     extra = [*_hicache_flags(request.hicache), f"--host 0.0.0.0 --port {rules['port']}"]
@@ -248,7 +272,7 @@ def make_recipe(request: RecipeRequest) -> Recipe:
         refusals["vllm"] = str(refused).rstrip(".")
     return Recipe(request=request, plan=recipe_plan, ratio_text=ratio, lane=cell.label, nodes=cell.nodes,
                   per_node=cell.per_node, sglang_status=cell.status, commands=commands, refusals=refusals,
-                  notes=_recipe_notes(cell, request))
+                  notes=_recipe_notes(cell, request, recipe_plan))
 
 
 def _offered(request: RecipeRequest) -> bool:

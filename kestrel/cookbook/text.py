@@ -69,6 +69,10 @@ def plan_text(plan: Plan) -> str:
                                    f"{pools.kv_tokens:,} KV tokens"),
                  ("concurrency cap", f"{plan.admitted_requests:,} requests ({pools.max_running_requests:,} per "
                                      "attention-DP worker)")]
+    if plan.handoff_bytes is not None:
+        rows.append(("PD handoff", f"{gb(plan.handoff_bytes)} per {request.avg_request_len:,}-token prompt in kestrel's "
+                                   f"layout (pages of latents + indexer keys, plus the {gb(plan.state_bytes_per_slot)} "
+                                   f"KDA state): R prompts/s need R x {gb(plan.handoff_bytes)}/s from prefill to decode"))
     rows.append(("fits", ("unknown" if plan.fits is None else "yes" if plan.fits else "no") + f": {plan.fit_reason}"))
     rows.append(("min devices", ", ".join(f"{k} {v if v is not None else 'unknown'}"
                                           for k, v in plan.min_devices.items())))

@@ -1,7 +1,7 @@
 """`kestrel verify RECIPE`: run a recipe's smoke benchmark and accuracy check on this machine and write an
 evidence record.
 
-Only recipes kestrel can launch here run: today the CPU recipes, served by kestrel's offline engine (`kestrel.LLM`)
+Only recipes kestrel can launch here run: today the Unified CPU recipes, served by kestrel's offline engine (`kestrel.LLM`)
 in float32 with the recipe's engine arguments.
 - Model: the bundled model's recipe (k3.1-tiny) serves the bundled, trained checkpoint (models/k3.1-tiny); the
   other tiny models have no trained checkpoint, so their recipes serve a random one of the preset's architecture.
@@ -77,6 +77,9 @@ def runnable_recipe(recipe_id: str) -> Recipe:
     if recipe.request.hardware != CPU:
         raise ValueError(f"kestrel verify runs the CPU recipes, and {recipe_id} is a GPU recipe; benchmarks/gpu/run.py "
                          "records a GPU machine's evidence.")
+    if recipe.request.mode != "unified":
+        raise ValueError(f"kestrel verify runs one Unified instance, and {recipe_id} is one half of a PD deployment; "
+                         "tests/disagg/ proves PD output equal to one server's.")
     hardware_id, _ = fingerprint()
     if hardware_id != recipe.request.hardware:
         raise ValueError(f"recipe {recipe_id} is for {recipe.request.hardware} but this machine is {hardware_id}.")

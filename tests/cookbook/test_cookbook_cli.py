@@ -30,6 +30,11 @@ def test_plan_table(capsys):
     out = capsys.readouterr().out
     assert "KDA state per slot       449,372,160 B (fp32); per rank 56,171,520 B" in out
     assert "index>weights at" in out and "memory ratio" in out
+    assert "PD handoff" not in out
+    assert run("plan", "--model", "k3", "--mode", "prefill", "--kv-dtype", "fp8", "--avg-request-len", "1000") == 0
+    assert ("PD handoff               0.46 GB per 1,000-token prompt in kestrel's layout (pages of latents + indexer "
+            "keys, plus the 0.45 GB KDA state): R prompts/s need R x 0.46 GB/s from prefill to decode") in \
+        capsys.readouterr().out
 
 
 def test_recipe_by_id_and_by_flags(capsys):

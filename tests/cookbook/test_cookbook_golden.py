@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kestrel.cookbook.calculator import MODES, SPEC_MODES
@@ -38,10 +39,11 @@ class Keys:
 
 
 def all_requests() -> list[RecipeRequest]:
-    """Every combination of the generator's options, then the CPU recipes."""
+    """Every combination of the generator's options, then the CPU recipes (Unified and each PD role)."""
     combos = itertools.product(MODELS, supported_devices(), MODES, STRATEGIES, SPEC_MODES, HICACHE_CHOICES,
                                (None, *QUANTS))
-    return [*(RecipeRequest(*combo) for combo in combos), *(r for r in base_requests() if r.hardware == "cpu")]
+    cpu = [replace(r, mode=mode) for r in base_requests() if r.hardware == "cpu" for mode in MODES]
+    return [*(RecipeRequest(*combo) for combo in combos), *cpu]
 
 
 def recipe_line(recipe: Recipe, keys: Keys) -> str:

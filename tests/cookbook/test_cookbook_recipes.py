@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 
 import pytest
+import torch
 
 from kestrel.cookbook.calculator import ratio_text
 from kestrel.cookbook.flags import flag_value, has_flag, parse_flags, render_flags
 from kestrel.cookbook.planner import plan
 from kestrel.cookbook.recipes import RecipeRequest, base_requests, make_recipe
 from kestrel.cookbook.sglang_recipe import RecipeRefused
+from kestrel.cli import _parser
+from kestrel.disagg.size import handoff_bytes
+from kestrel.layers.cache import kv_bytes_per_token
 
 
 def recipe(recipe_id: str, length: int = 11264):
@@ -55,7 +60,11 @@ def test_kestrel_commands_for_the_layouts_its_engine_runs():
 
 @pytest.mark.parametrize("recipe_id,reason", [
     ("k3/b200/unified/low-latency", "cannot run TP8 x PP2: pp_size > 1 is not supported yet"),
-    ("k3/b300/decode/low-latency", "no prefill or decode role"),
+    ("k3/b300/decode/low-latency", "run one process each for now (--disaggregation-mode needs --tp-size 1: a "
+                                   "handoff moves one rank's caches), and this lane's decode instance is TP8 on 1 x 8"),
+    ("k3/h200/decode/low-latency", "this lane's decode instance is TP16 x EP16 on 2 x 8"),
+    ("k3/b300/decode/balanced", "cannot run TP8 x DCP8"),
+    ("k3/b300/prefill/high-throughput", "cannot run TP1 x PP8"),
     ("k3/b300/unified/low-latency,spec=mtp", "not with a separate DSPARK or DFLASH draft model"),
     ("k3/b300/unified/low-latency,quant=nvfp4", "not nvfp4"),
     ("k3/mi355x/unified/balanced", "mi355x is neither")])
@@ -175,7 +184,8 @@ def test_k31_unknowns_are_not_filled_with_k3s_cells():
     ("k3/mi355x/unified/low-latency", "(its unified strategies there: balanced)"),
     ("k3/mac-studio-m3-ultra/unified/low-latency", "`kestrel plan --hardware mac-studio-m3-ultra`"),
     ("kimi-linear-48b/b300/unified/low-latency", "the anchors hold recipes for k3, k3.1-pro only"),
-    ("k3.1-tiny/cpu/unified/balanced", "a CPU recipe is one device"),
+    ("k3.1-tiny/cpu/unified/balanced", "a CPU recipe is one device per instance"),
+    ("k3.1-tiny/cpu/decode/high-throughput", "a CPU recipe is one device per instance"),
     ("k3/cpu/unified/low-latency", "k3 does not fit a CPU machine"),
 ])
 def test_unsupported_combinations_are_refused_with_the_reason(recipe_id, reason):
@@ -212,6 +222,41 @@ def test_cpu_recipes_serve_the_bundled_model_or_a_random_preset():
     assert bundled.plan.slots_per_request == 1 and set(bundled.refusals) == {"sglang", "vllm"}
     random = recipe("kimi-linear-tiny/cpu/unified/low-latency").commands["kestrel"].lines
     assert random[0] == "kestrel random-model kimi-linear-tiny --out models/kimi-linear-tiny-random"
+
+
+def test_cpu_pd_recipes_are_two_instances_and_the_router_on_loopback():
+    """Each role's line parses as `kestrel serve` in that role; the router's --prefill names the prefill instance's
+    port and bootstrap port, its --decode the decode instance's port; both halves print the same router line."""
+    parser = _parser()
+    halves = {mode: recipe(f"k3.1-tiny/cpu/{mode}/low-latency") for mode in ("prefill", "decode")}
+    served = {}
+    for mode, r in halves.items():
+        serve, router = r.commands["kestrel"].lines
+        args = parser.parse_args(shlex.split(serve)[1:])
+        assert (args.disaggregation_mode, args.disaggregation_transfer_backend, args.host) == (mode, "tcp",
+                                                                                                "127.0.0.1")
+        served[mode] = args
+        assert r.plan.request.cache.mode == mode and r.lane == f"kestrel on CPU, {mode} instance"
+        assert f"{mode} instance (k3.1-tiny/cpu/{mode}/low-latency)" in " ".join(r.notes)
+    prefill, decode = served["prefill"], served["decode"]
+    assert halves["prefill"].commands["kestrel"].lines[1] == halves["decode"].commands["kestrel"].lines[1] == (
+        f"kestrel router --pd-disaggregation --prefill http://127.0.0.1:{prefill.port} "
+        f"{prefill.disaggregation_bootstrap_port} --decode http://127.0.0.1:{decode.port} --port 8000")
+    assert len({prefill.port, decode.port, prefill.disaggregation_bootstrap_port, 8000}) == 4
+
+
+def test_pd_recipes_say_what_one_handoff_weighs():
+    """kestrel.disagg.size.handoff_bytes for the plan's settings: K3's FP8 decode lane moves ~14 kB per token of
+    latents and indexer keys (whole pages of 16) plus the 449 MB KDA state; Unified plans have no handoff."""
+    r = recipe("k3/b300/decode/low-latency", length=1000)
+    config, cache = r.plan.model.config, r.plan.request.cache
+    expected = handoff_bytes(config, 1000, 16, torch.bfloat16, torch.float32,
+                             torch.float8_e4m3fn if cache.kv_dtype == "fp8" else torch.bfloat16)
+    assert r.plan.handoff_bytes == expected
+    assert expected - r.plan.state_bytes_per_slot == 1008 * kv_bytes_per_token(
+        config, torch.float8_e4m3fn if cache.kv_dtype == "fp8" else torch.bfloat16)
+    assert f"{expected / 1e9:,.3f} GB" in r.notes[-1]
+    assert recipe("k3/b300/unified/low-latency").plan.handoff_bytes is None
 
 
 def test_overlay_flags_replace_their_negation():

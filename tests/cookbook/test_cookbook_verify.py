@@ -118,6 +118,8 @@ def test_verify_runs_only_what_kestrel_can_launch_here(use_repo, tmp_path):
         verify("k3/b300/unified/balanced", SMALL, evidence)
     with pytest.raises(ValueError, match="kestrel verify runs the CPU recipes"):
         verify("k3/b300/unified/low-latency", SMALL, evidence)
+    with pytest.raises(ValueError, match="one half of a PD deployment"):
+        verify("k3.1-tiny/cpu/prefill/low-latency", SMALL, evidence)
     with pytest.raises(ValueError, match="--requests must be at least 1"):
         verify(RANDOM_RECIPE, SmokeSettings(requests=0), evidence)
     assert not evidence.exists()

@@ -107,11 +107,14 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, timeout: float | None = None,
-                       handoff: Callable[[Handoff], None] | None = None) -> AsyncIterator[RequestOutput]:
+                       handoff: Callable[[Handoff], None] | None = None,
+                       cache_point: int | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes. A ValueError (bad request),
         RequestFailed, or RequestTimedOut (`timeout` seconds after submission) is raised here; leaving the
-        iteration early aborts the request. handoff: as LLMEngine.add_request's (called on the engine thread)."""
-        async for output in self._run(request_id, ("add", request_id, prompt, params, priority, handoff), timeout):
+        iteration early aborts the request. handoff, cache_point: as LLMEngine.add_request's (handoff is called
+        on the engine thread)."""
+        command = ("add", request_id, prompt, params, priority, handoff, cache_point)
+        async for output in self._run(request_id, command, timeout):
             yield output
 
     async def generate_prefilled(self, request_id: str, handoff: Handoff, params: SamplingParams,

@@ -128,8 +128,13 @@ class LLMEngine:
         return self.plan.context_length
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, handoff: Callable[[Handoff], None] | None = None) -> None:
+                    priority: int = 0, handoff: Callable[[Handoff], None] | None = None,
+                    cache_point: int | None = None) -> None:
         """Queue a request; a ValueError (one sentence) if it can never run, before it takes any memory.
+
+        cache_point: where the prefix cache saves the prompt's state (default: before its last token); a chat
+        request's is where its messages end and the reply's opening begins, since the next turn renders this
+        reply as history and shares the prompt only up to there.
 
         handoff (PD prefill side): the request stops at its first token, and handoff gets the state its caches hold
         then (on the engine thread, before its memory is freed)."""
@@ -153,6 +158,7 @@ class LLMEngine:
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                           next(self._arrivals), priority)
         request.handoff = handoff
+        request.cache_point = min(max(cache_point, 0), len(ids) - 1) if cache_point is not None else len(ids) - 1
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         self.requests[request_id] = request

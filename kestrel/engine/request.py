@@ -37,6 +37,7 @@ class Request:
     grammar: CompiledGrammar | None = None      # params.structured_outputs, once compiled
     num_cached_tokens: int | None = None        # prompt tokens served from the prefix cache, once admitted
     handoff: Callable[[Handoff], None] | None = None    # PD prefill side: gets the state after the first token
+    cache_point: int = 0                        # prefix cache: the prompt position whose state is saved
 
     @property
     def finished(self) -> bool:

@@ -10,9 +10,9 @@ greedy decoding continues exactly where it stopped. The highest-priority sequenc
 sequence of up to the context length fits the KV pool, so nothing deadlocks.
 
 With a prefix cache (radix.py), a sequence starts after the longest cached prefix of its tokens that ends at a
-state snapshot, and its pages go into the tree as they fill. Its state is saved at the last page boundary before
-the prompt's last token (the prefill stops there for it, then computes the rest of the prompt in a step of its
-own) and when it finishes ("no_buffer"); with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
+state snapshot, and its pages go into the tree as they fill. Its state is saved at the request's cache point (by default
+before the prompt's last token; for a chat, where its messages end: the prefill stops there for it, then computes
+the rest of the prompt in a step of its own) and when it finishes ("no_buffer"); with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
 page boundary track_interval decode tokens after the last snapshot. What only the cache holds is evicted (least
 recently used) before a request is refused or preempted.
 """
@@ -189,10 +189,10 @@ class Scheduler:
         return min(end - seq.num_computed, budget, self.chunk_size)
 
     def _prompt_snapshot_at(self, seq: Sequence) -> int:
-        """Where a prompt's state is saved: the last page boundary before its last token (0: nowhere). A later
-        request resumes there when it shares those full pages: a repeat of the prompt, and the next turn of a chat
-        whose history renders the previous reply differently from how the prompt asked for it."""
-        return (len(seq.request.prompt_ids) - 1) // self.kv_pool.page_size * self.kv_pool.page_size
+        """Where a prompt's state is saved (0: nowhere): its request's cache_point, by default before the prompt's
+        last token (a repeat of the prompt resumes there), for a chat where its messages end (the next turn, which
+        renders the reply as history, shares the prompt up to there)."""
+        return seq.request.cache_point
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow (evicting what

@@ -242,12 +242,15 @@ def _max_tokens(requested: int | None) -> int | None:
 
 
 async def _outputs(state: ServerState, request_id: str, prompt, params: SamplingParams, priority: int,
-                   bootstrap: tuple = (None, None, None)) -> AsyncIterator[RequestOutput]:
+                   bootstrap: tuple = (None, None, None), cache_point: int | None = None
+                   ) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request (this instance's side of it under PD disaggregation, at the bootstrap
-    (host, port, room) the router added), with bad requests and failures turned into ApiErrors."""
+    (host, port, room) the router added), with bad requests and failures turned into ApiErrors. cache_point: where
+    the prefix cache saves the prompt's state (LLMEngine.add_request)."""
     try:
         if state.pd is None:
-            outputs = state.engine.generate(request_id, prompt, params, priority, state.options.request_timeout)
+            outputs = state.engine.generate(request_id, prompt, params, priority, state.options.request_timeout,
+                                            cache_point=cache_point)
         else:
             outputs = state.pd.generate(request_id, prompt, params, priority, bootstrap)
         async for output in outputs:
@@ -446,6 +449,12 @@ def _chat_prompt(state: ServerState, body: ChatTemplateFields, messages: list[Me
                         response_format=body.response_format, add_generation_prompt=add_generation_prompt)
 
 
+def _shared(ids: list[int], history: list[int]) -> int:
+    """How many leading ids a chat prompt shares with its messages plus a reply rendered as history: where the
+    next turn's prompt, which renders this reply as history (K3's without its reasoning), stops sharing it."""
+    return next((i for i, (a, b) in enumerate(zip(ids, history)) if a != b), min(len(ids), len(history)))
+
+
 def _json_format(body: ChatTemplateFields) -> bool:
     """response_format asks for JSON (json_object or json_schema)."""
     return body.response_format is not None and body.response_format.type != "text"
@@ -474,8 +483,11 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                               top if body.logprobs else None, skip_special_tokens=False,
                               structured_outputs=constraint)
     request_id = new_id("chatcmpl")
-    stream = _outputs(state, request_id, prompt_ids(state.engine.tokenizer, prompt), params, body.priority,
-                      body.bootstrap(0))
+    ids = prompt_ids(state.engine.tokenizer, prompt)
+    as_history = _chat_prompt(state, body, [*body.messages, Message(role="assistant", content="x")],
+                              add_generation_prompt=False, constrained=requested is not None)
+    stream = _outputs(state, request_id, ids, params, body.priority, body.bootstrap(0),
+                      _shared(ids, prompt_ids(state.engine.tokenizer, as_history)))
     parsers = [ReplyParser(prompt.reply_start) for _ in range(body.n)]
     tokenizer = state.engine.tokenizer
     timer = RequestTimer(state.metrics)

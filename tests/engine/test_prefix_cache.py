@@ -52,15 +52,10 @@ def warm_llm(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), page_size=PAGE, **kw)
 
 
-def prompt_snapshot(length: int) -> int:
-    """Where a prompt of `length` tokens has its state saved: the last page boundary before its last token."""
-    return (length - 1) // PAGE * PAGE
-
-
-def test_an_exact_repeat_resumes_at_its_last_full_page(model_dir, cold):
+def test_an_exact_repeat_computes_only_the_last_token(model_dir, cold):
     llm, ids = warm_llm(model_dir), prompt(1, 23)
     assert cached(llm, ids) == (cold(ids), 0)
-    assert cached(llm, ids) == (cold(ids), 20)
+    assert cached(llm, ids) == (cold(ids), 22)
     assert_idle(llm.engine.scheduler)
 
 
@@ -71,7 +66,7 @@ def test_warm_logprobs_match_cold_ones(model_dir):
     llm = warm_llm(model_dir)
     llm.generate({"prompt_token_ids": ids}, params)
     warm = llm.generate({"prompt_token_ids": ids}, params)[0]
-    assert warm.num_cached_tokens == 28
+    assert warm.num_cached_tokens == 29
     for a, b in zip(cold[0].outputs[0].logprobs, warm.outputs[0].logprobs):
         assert a.keys() == b.keys()
         for token in a:
@@ -83,7 +78,7 @@ def test_a_to_b_to_a_with_overlapping_prefixes(model_dir, cold):
     a, b = shared + prompt(4, 9), shared + prompt(5, 13)
     llm = warm_llm(model_dir)
     assert [cached(llm, p)[0] for p in (a, b, a, b)] == [cold(a), cold(b), cold(a), cold(b)]
-    assert llm.generate({"prompt_token_ids": a}, greedy())[0].num_cached_tokens == prompt_snapshot(len(a))
+    assert llm.generate({"prompt_token_ids": a}, greedy())[0].num_cached_tokens == len(a) - 1
     assert_idle(llm.engine.scheduler)
 
 
@@ -127,7 +122,7 @@ def test_a_hit_on_a_node_whose_snapshot_was_evicted(model_dir, cold):
 @pytest.mark.parametrize("length", [24, 26])
 def test_chunked_prefill_with_a_hit(model_dir, cold, length):
     ids = prompt(12, length)
-    for shared, hit in ((17, 16), (22, 20)):        # a hit on a chunk boundary (16), and off it (20)
+    for shared, hit in ((17, 16), (22, 21)):        # a hit on a chunk boundary (16), and off it (21)
         llm = warm_llm(model_dir, mamba_scheduler_strategy="extra_buffer", chunked_prefill_size=8)
         cached(llm, ids[:shared])
         assert cached(llm, ids) == (cold(ids), hit)
@@ -142,9 +137,9 @@ def test_the_next_turn_of_a_conversation_hits(model_dir, cold, strategy):
     answer, hit = cached(llm, turn2)
     assert answer == cold(turn2)
     assert hit == len(turn1) + len(reply) - 1            # the finished sequence's state: all but its last token
-    if strategy == "extra_buffer":        # at the first page boundary 4 decode tokens past the prompt's (12)
+    if strategy == "extra_buffer":        # at the first page boundary 4 decode tokens past the prompt's (13)
         lengths = {s.length for s in llm.engine.scheduler.prefix_cache.snapshots}
-        assert {12, 16, 20, 24} <= lengths and 14 not in lengths
+        assert {13, 20, 24} <= lengths and 16 not in lengths
     assert_idle(llm.engine.scheduler)
 
 
@@ -164,7 +159,7 @@ def test_n_continuations_of_a_cached_prompt(model_dir, cold):
     llm = warm_llm(model_dir)
     cached(llm, ids)
     out = llm.generate({"prompt_token_ids": ids}, greedy(n=3))[0]
-    assert out.num_cached_tokens == 16 and [c.token_ids for c in out.outputs] == [cold(ids)] * 3
+    assert out.num_cached_tokens == 17 and [c.token_ids for c in out.outputs] == [cold(ids)] * 3
     sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     cold_llm = LLM(str(model_dir), page_size=PAGE, disable_radix_cache=True)
     assert [c.token_ids for c in llm.generate({"prompt_token_ids": ids}, sampled)[0].outputs] == \
@@ -186,7 +181,18 @@ def test_warm_equals_cold_in_other_formats(model_dir, options):
     ids = prompt(32, 19)
     cold_answer = run(LLM(str(model_dir), page_size=PAGE, disable_radix_cache=True, **options), [ids])[0]
     llm = warm_llm(model_dir, **options)
-    assert [cached(llm, ids) for _ in range(2)] == [(cold_answer, 0), (cold_answer, 16)]
+    assert [cached(llm, ids) for _ in range(2)] == [(cold_answer, 0), (cold_answer, 18)]
+
+
+def test_a_cache_point_saves_the_prompt_state_where_the_request_says(model_dir, cold):
+    """A chat request's cache point is where its messages end: a prompt that shares only up to there hits there."""
+    ids = prompt(35, 21)
+    llm = warm_llm(model_dir)
+    llm.engine.add_request("chat", ids, greedy(), cache_point=14)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    later = ids[:14] + prompt(36, 9)
+    assert cached(llm, later) == (cold(later), 14)
 
 
 def test_kimi_linear_warm_equals_cold(kimi_linear_dir):
@@ -237,7 +243,7 @@ def evict_then_repeat(llm: LLM, first: list[int]) -> tuple[list[int], int]:
 def test_hicache_brings_evicted_pages_and_snapshots_back_from_host_memory(model_dir, cold):
     ids = prompt(60, 22)
     llm = warm_llm(model_dir, enable_hierarchical_cache=True, **TIGHT)
-    assert evict_then_repeat(llm, ids) == (cold(ids), 20)
+    assert evict_then_repeat(llm, ids) == (cold(ids), 21)
     stats = llm.engine.scheduler.prefix_cache.stats
     assert stats.pages_evicted > 0 and stats.pages_loaded == 5 and stats.snapshots_loaded == 1
     assert_idle(llm.engine.scheduler)
@@ -252,7 +258,7 @@ def test_hicache_file_tier_serves_hits_and_a_damaged_file_is_a_miss(model_dir, c
     llm = warm_llm(model_dir, **options)
     store = llm.engine.scheduler.prefix_cache.store
     assert store.host.max_bytes < 2 * 41984                 # about one snapshot: the rest spills to disk
-    assert evict_then_repeat(llm, ids) == (cold(ids), 20)
+    assert evict_then_repeat(llm, ids) == (cold(ids), 21)
     assert store.storage_hits > 0
     damaged = warm_llm(model_dir, **{**options, "hicache_storage_dir": str(tmp_path / "damaged")})
     evict(damaged, ids)
@@ -284,7 +290,7 @@ def test_json_mode_on_a_cached_prompt(model_dir):
     cold_answer = LLM(str(model_dir), page_size=PAGE, disable_radix_cache=True).generate(
         {"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     llm = warm_llm(model_dir)
-    assert [cached(llm, ids, params) for _ in range(2)] == [(cold_answer, 0), (cold_answer, 16)]
+    assert [cached(llm, ids, params) for _ in range(2)] == [(cold_answer, 0), (cold_answer, 19)]
 
 
 def test_reset_empties_the_cache_without_filling_the_store(model_dir, cold):

@@ -178,22 +178,31 @@ def test_cookbook_page_is_served(server):
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(server):
-    """A repeat resumes at the prompt's state snapshot: the last page boundary (of 4 tokens) before its last token."""
     body = {"prompt": "all the world's a stage, and all the men and women merely players " * 3, "max_tokens": 3}
-
-    def snapshot(prompt_tokens: int) -> int:
-        return (prompt_tokens - 1) // 4 * 4
     with server.client() as http:
         before = gauge(http, "kestrel_prefix_cache_hit_tokens")
         first, second = (http.post("/v1/completions", json=body).json()["usage"] for _ in range(2))
         assert second["prompt_tokens"] == first["prompt_tokens"] > 20
-        assert second["prompt_tokens_details"] == {"cached_tokens": snapshot(second["prompt_tokens"])}
+        assert second["prompt_tokens_details"] == {"cached_tokens": second["prompt_tokens"] - 1}
         assert gauge(http, "kestrel_prefix_cache_hit_tokens") - before == \
-            first["prompt_tokens_details"]["cached_tokens"] + snapshot(second["prompt_tokens"])
+            first["prompt_tokens_details"]["cached_tokens"] + second["prompt_tokens"] - 1
         assert gauge(http, "kestrel_prefix_cache_snapshots") > 0
-        chat = {"messages": [{"role": "user", "content": body["prompt"]}], "max_tokens": 2}
-        turns = [http.post("/v1/chat/completions", json=chat).json()["usage"] for _ in range(2)]
-        assert turns[1]["prompt_tokens_details"]["cached_tokens"] == snapshot(turns[1]["prompt_tokens"])
+
+
+def test_the_next_turn_of_a_chat_resumes_where_the_turns_prompts_part(server):
+    """A chat prompt's state is saved where its messages end and the reply's opening begins, so the next turn
+    (the reply rendered as history, then a new message) resumes exactly where the two prompts part."""
+    messages, prompts, cached = [], [], []
+    with server.client() as http:
+        for turn in ("to be or not to be", "that is the question", "whether tis nobler"):
+            messages.append({"role": "user", "content": turn})
+            prompts.append(http.post("/tokenize", json={"messages": messages}).json()["tokens"])
+            answer = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4,
+                                                             "temperature": 0}).json()
+            cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+            messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    parted = [next(i for i, (a, b) in enumerate(zip(p, q)) if a != b) for p, q in zip(prompts, prompts[1:])]
+    assert cached[1:] == parted and min(parted) > 10
 
 
 def test_speculative_decoding_counts_reach_metrics(model_folder):

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from kestrel.engine.cache.device_ops import DeviceOps
+from kestrel.engine.cache.kv_pool import KVPool
+from kestrel.engine.cache.radix import PrefixCache
+from kestrel.engine.cache.state_pool import StatePool
 from kestrel.engine.structured import StructuredOutputsParams
 from helpers import assert_idle
 
@@ -302,3 +306,21 @@ def test_reset_empties_the_cache_without_filling_the_store(model_dir, cold):
     assert cache.num_pages == 0 and not cache.snapshots and len(cache.store.host) == 0
     assert_idle(llm.engine.scheduler)
     assert cached(llm, ids) == (cold(ids), 0)
+
+
+def test_eviction_takes_the_least_recently_used_leaf_and_its_queue_stays_bounded():
+    ops = DeviceOps()
+    kv, state = KVPool(16, PAGE, ops), StatePool(4, ops)
+    cache = PrefixCache(state, kv)
+    branches = [[b] * PAGE + [b + 10] * PAGE for b in range(3)]
+    for tokens in branches:                     # two pages each, then the sequence goes: only the tree holds them
+        pages = kv.allocate(2)
+        cache.insert(cache.root, tokens, pages)
+        kv.free(pages)
+    cache.match(branches[0] + [99], 9)          # branch 0 used again: branch 1 is now the coldest
+    assert cache.reclaim_pages(1) == 1
+    assert [len(cache.root.children[tuple(t[:PAGE])].children) for t in branches] == [1, 0, 1]
+    for _ in range(500):
+        cache.match(branches[2] + [99], 9)
+    assert len(cache._leaves) <= 2 * cache.num_pages + 64
+    assert cache.reclaim_pages(16) == 5 and cache.num_pages == 0 and kv.num_free == 16

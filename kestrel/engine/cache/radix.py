@@ -16,7 +16,9 @@ Who owns what (the tree never schedules; the scheduler asks it):
   step advances it, and a hit's copy reads the snapshot before anything can reuse its slot.
 
 Eviction is least recently used, in two lists: leaves (a page each, taking their snapshots with them) and
-snapshots (a slot each). Evicting only a snapshot keeps its pages: the node then no longer ends a full hit.
+snapshots (a slot each). Evicting only a snapshot keeps its pages: the node then no longer ends a full hit. Leaves
+wait in a heap keyed by their last use, offered whenever a node becomes a leaf or a leaf is used (entries that went
+stale are skipped when popped), so eviction under pressure never walks the whole tree.
 
 With HiCache (hicache.py), what is evicted is first saved to the store (host memory, then disk), keyed by a chain
 hash of the token pages up to it (seeded with the model's namespace); a lookup that finds pages and a snapshot
@@ -110,6 +112,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._num_nodes = 0
         self._snapshots: dict[int, Snapshot] = {}        # by slot
+        self._leaves: list[tuple[int, int, Node]] = []    # heap of (last use, id, node) offered as leaves
 
     @property
     def num_pages(self) -> int:
@@ -134,6 +137,8 @@ class PrefixCache:
                 break
             node.last_use = now
             path.append(node)
+        if path:
+            self._offer(path[-1])
         hit = None
         for node in reversed([self.root, *path]):
             start = node.depth * self.page_size
@@ -163,6 +168,7 @@ class PrefixCache:
                 self._num_nodes += 1
             child.last_use = now
             node = child
+        self._offer(node)
         return node
 
     def snapshot(self, node: Node, tail: list[int], tail_page: int | None, slot: int) -> None:
@@ -196,27 +202,34 @@ class PrefixCache:
         """Free up to `count` KV pages by evicting, least recently used first, leaves no sequence stands on and
         snapshots whose tail page only the tree holds; returns how many pages that freed."""
         before = self.kv_pool.num_free
-        heap = [(s.last_use, id(s), s) for s in self._snapshots.values() if not s.locks and self._sole(s.tail_page)]
-        heap += [(n.last_use, id(n), n) for n in self.nodes() if self._evictable(n)]
-        heapq.heapify(heap)
-        while heap and self.kv_pool.num_free - before < count:
-            item = heapq.heappop(heap)[2]
-            if isinstance(item, Snapshot):
-                if self._snapshots.get(item.slot) is item and self._sole(item.tail_page):
-                    self._drop_snapshot(item)
+        snapshots = [(s.last_use, id(s), s) for s in self._snapshots.values()
+                     if not s.locks and self._sole(s.tail_page)]
+        heapq.heapify(snapshots)
+        held = []                       # leaves a sequence still holds: offered again afterwards
+        while (snapshots or self._leaves) and self.kv_pool.num_free - before < count:
+            if snapshots and (not self._leaves or snapshots[0][:2] < self._leaves[0][:2]):
+                snap = heapq.heappop(snapshots)[2]
+                if self._snapshots.get(snap.slot) is snap and self._sole(snap.tail_page):
+                    self._drop_snapshot(snap)
                 continue
-            if item.parent is None or not self._evictable(item):
+            entry = heapq.heappop(self._leaves)
+            node = entry[2]
+            if node.parent is None or node.children or entry[0] != node.last_use:
+                continue                # evicted, no longer a leaf, or offered again since
+            if not self._evictable(node):
+                held.append(entry)
                 continue
-            for snap in list(item.snapshots.values()):      # an admission's snapshot sits on a locked node
+            for snap in list(node.snapshots.values()):      # an admission's snapshot sits on a locked node
                 self._drop_snapshot(snap)
-            self._spill([("page", item.page)], item.hash)
-            del item.parent.children[item.key]
-            self.kv_pool.free([item.page], cache=True)
+            self._spill([("page", node.page)], node.hash)
+            del node.parent.children[node.key]
+            self.kv_pool.free([node.page], cache=True)
             self._num_nodes -= 1
             self.stats.pages_evicted += 1
-            item.parent, parent = None, item.parent
-            if parent.parent is not None and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+            node.parent, parent = None, node.parent
+            self._offer(parent)
+        for entry in held:
+            heapq.heappush(self._leaves, entry)
         return self.kv_pool.num_free - before
 
     def reset(self) -> None:
@@ -226,6 +239,7 @@ class PrefixCache:
             self._drop_snapshot(snap)
         self.reclaim_pages(self._num_nodes)
         self.store = store
+        self._leaves = []
 
     def nodes(self):
         """Every node but the root."""
@@ -234,6 +248,16 @@ class PrefixCache:
             node = stack.pop()
             stack.extend(node.children.values())
             yield node
+
+    def _offer(self, node: Node) -> None:
+        """Queue node for eviction if it is a leaf (at its last use); past twice the tree's size, the queue is
+        rebuilt from the leaves, dropping stale entries."""
+        if node.parent is None or node.children:
+            return
+        heapq.heappush(self._leaves, (node.last_use, id(node), node))
+        if len(self._leaves) > 2 * self._num_nodes + 64:
+            self._leaves = [(n.last_use, id(n), n) for n in self.nodes() if not n.children]
+            heapq.heapify(self._leaves)
 
     def _evictable(self, node: Node) -> bool:
         return not node.children and node.locks == 0 and self._sole(node.page)
@@ -314,6 +338,7 @@ class PrefixCache:
             node.children[key] = child
             node = child
             self._num_nodes += 1
+        self._offer(node)
         slot = self.state_pool.allocate()
         tail_page = self.kv_pool.allocate(1, cache=True)[0] if tail else None
         ops.load([("slot", slot)] + ([("page", tail_page)] if tail else []), snapshot)

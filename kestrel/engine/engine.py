@@ -171,15 +171,18 @@ class LLMEngine:
     def add_prefilled_request(self, request_id: str, handoff: Handoff, params: SamplingParams | None = None,
                               priority: int = 0) -> None:
         """PD decode side: continue a request whose prompt a prefill instance computed, from the state in handoff
-        (its first output token is handoff.first_token), once the pools have room. A ValueError (one sentence) if
-        it can never run here or the state does not fit this engine's caches."""
+        (its first output token is handoff.first_token), once the pools have room (and its grammar is compiled,
+        with structured outputs). A ValueError (one sentence) if it can never run here or the state does not fit
+        this engine's caches."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
         self._check_handoff(params)
-        if params.logprobs is not None or params.prompt_logprobs is not None or params.structured_outputs is not None:
-            raise ValueError("a request continued from a prefill instance cannot ask for logprobs or structured "
-                             "outputs yet.")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("a request continued from a prefill instance cannot ask for logprobs yet.")
+        if params.structured_outputs is not None and self.grammars is None:
+            raise ValueError(f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model) with "
+                             f"an end-of-sequence token, which {self.args.model} lacks.")
         ids = self._prompt_ids(handoff.prompt_ids)
         self._check_fits(ids, params)
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.context_length:
@@ -194,11 +197,19 @@ class LLMEngine:
         request = Request(request_id, None, ids, params, next(self._arrivals), priority)
         self.requests[request_id] = request
         seq = self._new_sequence(request)
-        self._accept(seq, handoff.first_token)
-        if seq.status is Status.FINISHED:
-            self._finished_on_arrival.append(request)
+        seq.prefilled = handoff
+        if params.structured_outputs is None:
+            self._arrive(seq)
         else:
-            seq.prefilled = handoff
+            self._compiling[request_id] = self.grammars.submit(params.structured_outputs)
+
+    def _arrive(self, seq: Sequence) -> None:
+        """A prefilled sequence takes its first token (the prefill side's), then waits for the pools; a first token
+        that ends it finishes the request at once."""
+        self._accept(seq, seq.prefilled.first_token)
+        if seq.status is Status.FINISHED:
+            self._finished_on_arrival.append(seq.request)
+        else:
             self.scheduler.add(seq)
 
     def _check_handoff(self, params: SamplingParams) -> None:
@@ -444,7 +455,10 @@ class LLMEngine:
                 continue
             for seq in request.sequences:
                 seq.matcher = request.grammar.matcher()
-                self.scheduler.add(seq)
+                if seq.prefilled is not None:
+                    self._arrive(seq)
+                else:
+                    self.scheduler.add(seq)
         return rejected
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

@@ -12,6 +12,7 @@ from kestrel.engine.cache.device_ops import apply_ops
 from kestrel.engine.cache.hicache import pages_to_entry, slot_to_entry
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.handoff import Handoff
+from kestrel.engine.structured import StructuredOutputsParams
 from helpers import assert_idle
 
 VOCAB, PAGE = 320, 4
@@ -103,4 +104,18 @@ def test_a_first_token_that_ends_the_request_finishes_it_on_arrival(engines):
     finals = run(decoder)
     assert finals["one"].outputs[0].token_ids == [handoff.first_token]
     assert finals["one"].outputs[0].finish_reason == "length"
+    assert_idle(decoder.scheduler)
+
+
+def test_json_mode_across_the_handoff(engines, model_dir):
+    """The prefill side samples the first token under the grammar; the decode side compiles it again, advances it
+    by that token and goes on: the pair answers as one engine does."""
+    prefiller, decoder = engines
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(json_object=True))
+    ids = prompt(7, 15)
+    expected = LLM(str(model_dir), page_size=PAGE).generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    handoff = prefill(prefiller, "json", ids, params)
+    decoder.add_prefilled_request("json", handoff, params)
+    got = run(decoder)["json"].outputs[0]
+    assert got.token_ids == expected.token_ids and got.text == expected.text
     assert_idle(decoder.scheduler)

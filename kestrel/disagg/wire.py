@@ -11,6 +11,7 @@ import zlib
 import torch
 
 from ..engine.handoff import Handoff
+from ..engine.outputs import Logprob
 
 MAX_FRAME = 64 << 20
 """Largest JSON frame accepted (a header lists every tensor of a request: a few MB for a long K3 prompt)."""
@@ -51,7 +52,10 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 async def write_handoff(writer: asyncio.StreamWriter, handoff: Handoff) -> int:
     """Send handoff; the number of tensor bytes sent."""
     raws = {name: _raw(t) for name, t in handoff.tensors.items()}
+    logprobs = None if handoff.first_logprobs is None else \
+        [[token, e.logprob, e.rank, e.decoded_token] for token, e in handoff.first_logprobs.items()]
     header = {"prompt_ids": handoff.prompt_ids, "first_token": handoff.first_token, "num_pages": handoff.num_pages,
+              "first_logprobs": logprobs,
               "tensors": [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "nbytes": raws[name].nbytes, "crc32": zlib.crc32(raws[name])}
                           for name, t in handoff.tensors.items()]}
@@ -79,4 +83,11 @@ async def read_handoff(reader: asyncio.StreamReader, header: dict) -> Handoff:
                                  "prefill instance sent); the request was not continued.")
         tensors[spec["name"]] = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(spec["shape"]) \
             if buffer else torch.empty(spec["shape"], dtype=dtype)
-    return Handoff(list(header["prompt_ids"]), int(header["first_token"]), tensors, int(header["num_pages"]))
+    logprobs = header.get("first_logprobs")
+    if logprobs is not None:
+        try:
+            logprobs = {int(token): Logprob(float(value), rank, text) for token, value, rank, text in logprobs}
+        except (TypeError, ValueError):
+            raise TransferError("the prefill instance sent malformed logprobs.") from None
+    return Handoff(list(header["prompt_ids"]), int(header["first_token"]), tensors, int(header["num_pages"]),
+                   logprobs)

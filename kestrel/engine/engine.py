@@ -178,8 +178,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
         self._check_handoff(params)
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            raise ValueError("a request continued from a prefill instance cannot ask for logprobs yet.")
+        if params.prompt_logprobs is not None:
+            raise ValueError("a request continued from a prefill instance cannot ask for prompt logprobs.")
+        if params.logprobs is not None and handoff.first_logprobs is None:
+            raise ValueError("the request asks for logprobs, but the prefill instance sent none for its first token.")
         if params.structured_outputs is not None and self.grammars is None:
             raise ValueError(f"structured outputs need the model's tokenizer (tokenizer.json or tiktoken.model) with "
                              f"an end-of-sequence token, which {self.args.model} lacks.")
@@ -204,9 +206,13 @@ class LLMEngine:
             self._compiling[request_id] = self.grammars.submit(params.structured_outputs)
 
     def _arrive(self, seq: Sequence) -> None:
-        """A prefilled sequence takes its first token (the prefill side's), then waits for the pools; a first token
-        that ends it finishes the request at once."""
-        self._accept(seq, seq.prefilled.first_token)
+        """A prefilled sequence takes its first token (the prefill side's, with its logprobs), then waits for the
+        pools; a first token that ends it finishes the request at once."""
+        handoff = seq.prefilled
+        if seq.logprobs is not None:
+            seq.logprobs.append(handoff.first_logprobs)
+            seq.cumulative_logprob += handoff.first_logprobs[handoff.first_token].logprob
+        self._accept(seq, handoff.first_token)
         if seq.status is Status.FINISHED:
             self._finished_on_arrival.append(seq.request)
         else:
@@ -557,7 +563,8 @@ class LLMEngine:
         request, pages = seq.request, seq.pages[:self.scheduler.kv_pool.pages_for(seq.num_computed)]
 
         def put(tensors: dict[str, torch.Tensor]) -> None:
-            request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages)))
+            request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages),
+                                    seq.logprobs[0] if seq.logprobs else None))
         self.runner.ops.save(handoff_parts(seq.slot, pages), put)
         apply_ops(self.cache, self.runner.ops.take())
 

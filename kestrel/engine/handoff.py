@@ -9,6 +9,7 @@ import torch
 
 from ..layers.cache import HybridCache
 from .cache.device_ops import Part, entry_spec
+from .outputs import TokenLogprobs
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Handoff:
     first_token: int
     tensors: dict[str, torch.Tensor]
     num_pages: int
+    first_logprobs: TokenLogprobs | None = None    # the first token's logprob entry, when the request asked for them
 
 
 def handoff_parts(slot: int, pages: list[int]) -> list[Part]:

@@ -284,3 +284,12 @@ def _connected(port: int) -> bool:
     out = subprocess.run(["ss", "-Htn", "state", "established", f"dport = :{port}"], capture_output=True, text=True)
     return bool(out.stdout.strip())
 
+
+
+def test_logprobs_through_the_pd_router_equal_one_servers(fleet):
+    """The first token's logprobs travel with the handoff; the rest come from the decode instance."""
+    procs, _ = fleet
+    body = {"model": "k3.1-tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    pd, one = (post(procs[name].url, "/v1/completions", body).json()["choices"][0] for name in ("pd", "u1"))
+    assert pd["text"] == one["text"] and pd["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+    assert pd["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)

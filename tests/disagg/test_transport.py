@@ -18,6 +18,7 @@ from kestrel.disagg.outbox import Outbox
 from kestrel.disagg.tcp import TcpBackend
 from kestrel.disagg.wire import IntegrityError, TransferError, write_frame
 from kestrel.engine.args import EngineArgs
+from kestrel.engine.outputs import Logprob
 from kestrel.engine.async_engine import AsyncEngine
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.handoff import Handoff
@@ -35,7 +36,7 @@ def sample_handoff() -> Handoff:
                "1.mla.0.latent": torch.randn(4, 16, generator=g).to(torch.bfloat16),
                "1.mla.0.index_k": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
                "1.mla.0.scale": torch.rand(4, 1, generator=g)}
-    return Handoff([5, 6, 7], 9, tensors, 1)
+    return Handoff([5, 6, 7], 9, tensors, 1, {9: Logprob(-0.25, 1, "ab"), 4: Logprob(-1.5, 2, None)})
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -69,6 +70,7 @@ def test_handoff_arrives_bitwise_equal_in_either_order():
             assert await outcome is None and len(outbox) == 0
         for received in (got, got2):
             assert (received.prompt_ids, received.first_token, received.num_pages) == ([5, 6, 7], 9, 1)
+            assert received.first_logprobs == sent.first_logprobs
             assert received.tensors.keys() == sent.tensors.keys()
             assert all(same_bits(received.tensors[k], t) for k, t in sent.tensors.items())
     asyncio.run(main())

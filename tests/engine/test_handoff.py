@@ -119,3 +119,21 @@ def test_json_mode_across_the_handoff(engines, model_dir):
     got = run(decoder)["json"].outputs[0]
     assert got.token_ids == expected.token_ids and got.text == expected.text
     assert_idle(decoder.scheduler)
+
+
+def test_logprobs_across_the_handoff(engines, model_dir):
+    """The first token's logprobs come from the prefill side, the rest from the decode side: together the same
+    entries and cumulative logprob as one engine's."""
+    prefiller, decoder = engines
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    ids = prompt(8, 13)
+    expected = LLM(str(model_dir), page_size=PAGE).generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    handoff = prefill(prefiller, "lp", ids, params)
+    decoder.add_prefilled_request("lp", handoff, params)
+    got = run(decoder)["lp"].outputs[0]
+    assert got.token_ids == expected.token_ids
+    for a, b in zip(expected.logprobs, got.logprobs, strict=True):
+        assert a.keys() == b.keys() and all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
+    assert got.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-3)
+    with pytest.raises(ValueError, match="sent none for its first token"):
+        decoder.add_prefilled_request("lp2", prefill(prefiller, "plain", ids, greedy()), params)

@@ -13,6 +13,9 @@ import torch
 from ..engine.handoff import Handoff
 from ..engine.outputs import Logprob
 
+GENERATOR = "generator"
+"""The tensor name a seeded request's generator state travels under (no cache tensor is named so)."""
+
 MAX_FRAME = 64 << 20
 """Largest JSON frame accepted (a header lists every tensor of a request: a few MB for a long K3 prompt)."""
 
@@ -51,14 +54,16 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
 async def write_handoff(writer: asyncio.StreamWriter, handoff: Handoff) -> int:
     """Send handoff; the number of tensor bytes sent."""
-    raws = {name: _raw(t) for name, t in handoff.tensors.items()}
+    tensors = handoff.tensors if handoff.generator_state is None else \
+        {**handoff.tensors, GENERATOR: handoff.generator_state}
+    raws = {name: _raw(t) for name, t in tensors.items()}
     logprobs = None if handoff.first_logprobs is None else \
         [[token, e.logprob, e.rank, e.decoded_token] for token, e in handoff.first_logprobs.items()]
     header = {"prompt_ids": handoff.prompt_ids, "first_token": handoff.first_token, "num_pages": handoff.num_pages,
               "first_logprobs": logprobs,
               "tensors": [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "nbytes": raws[name].nbytes, "crc32": zlib.crc32(raws[name])}
-                          for name, t in handoff.tensors.items()]}
+                          for name, t in tensors.items()]}
     await write_frame(writer, header)
     for raw in raws.values():
         writer.write(raw)
@@ -89,5 +94,6 @@ async def read_handoff(reader: asyncio.StreamReader, header: dict) -> Handoff:
             logprobs = {int(token): Logprob(float(value), rank, text) for token, value, rank, text in logprobs}
         except (TypeError, ValueError):
             raise TransferError("the prefill instance sent malformed logprobs.") from None
+    generator = tensors.pop(GENERATOR, None)
     return Handoff(list(header["prompt_ids"]), int(header["first_token"]), tensors, int(header["num_pages"]),
-                   logprobs)
+                   logprobs, generator)

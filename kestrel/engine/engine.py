@@ -209,6 +209,8 @@ class LLMEngine:
         """A prefilled sequence takes its first token (the prefill side's, with its logprobs), then waits for the
         pools; a first token that ends it finishes the request at once."""
         handoff = seq.prefilled
+        if seq.generator is not None and handoff.generator_state is not None:   # seeded: sample on where it was
+            seq.generator.set_state(handoff.generator_state)
         if seq.logprobs is not None:
             seq.logprobs.append(handoff.first_logprobs)
             seq.cumulative_logprob += handoff.first_logprobs[handoff.first_token].logprob
@@ -564,7 +566,8 @@ class LLMEngine:
 
         def put(tensors: dict[str, torch.Tensor]) -> None:
             request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages),
-                                    seq.logprobs[0] if seq.logprobs else None))
+                                    seq.logprobs[0] if seq.logprobs else None,
+                                    seq.generator.get_state() if seq.generator is not None else None))
         self.runner.ops.save(handoff_parts(seq.slot, pages), put)
         apply_ops(self.cache, self.runner.ops.take())
 

@@ -26,6 +26,7 @@ class Handoff:
     tensors: dict[str, torch.Tensor]
     num_pages: int
     first_logprobs: TokenLogprobs | None = None    # the first token's logprob entry, when the request asked for them
+    generator_state: torch.Tensor | None = None    # a seeded request's generator after the first token (uint8)
 
 
 def handoff_parts(slot: int, pages: list[int]) -> list[Part]:

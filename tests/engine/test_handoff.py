@@ -137,3 +137,15 @@ def test_logprobs_across_the_handoff(engines, model_dir):
     assert got.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-3)
     with pytest.raises(ValueError, match="sent none for its first token"):
         decoder.add_prefilled_request("lp2", prefill(prefiller, "plain", ids, greedy()), params)
+
+
+def test_seeded_sampling_across_the_handoff(engines, model_dir):
+    """A seeded request's generator travels with the handoff, so the decode side draws what one engine would."""
+    prefiller, decoder = engines
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=10, ignore_eos=True)
+    ids = prompt(9, 11)
+    expected = LLM(str(model_dir), page_size=PAGE).generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    handoff = prefill(prefiller, "seeded", ids, params)
+    assert handoff.generator_state is not None
+    decoder.add_prefilled_request("seeded", handoff, params)
+    assert run(decoder)["seeded"].outputs[0].token_ids == expected.token_ids

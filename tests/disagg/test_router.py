@@ -153,6 +153,14 @@ def streamed_generate(url: str, body: dict) -> list[dict]:
     return [last[i] for i in sorted(last)]
 
 
+def test_logprobs_through_the_pd_router_equal_one_servers(fleet):
+    """The first token's logprobs travel with the handoff; the rest come from the decode instance."""
+    procs, _ = fleet
+    body = {"model": "k3.1-tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    pd, one = (post(procs[name].url, "/v1/completions", body).json()["choices"][0] for name in ("pd", "u1"))
+    assert pd["text"] == one["text"] and pd["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+    assert pd["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
+
 def test_sglang_generate_answers_as_sglang_and_as_the_openai_endpoint(fleet):
     """SGLang's native /generate: the OpenAI endpoint's greedy text in SGLang's shape on a unified server (a batch
     too, which the router does not forward), and the same answers through the data-parallel router and through the
@@ -285,11 +293,3 @@ def _connected(port: int) -> bool:
     return bool(out.stdout.strip())
 
 
-
-def test_logprobs_through_the_pd_router_equal_one_servers(fleet):
-    """The first token's logprobs travel with the handoff; the rest come from the decode instance."""
-    procs, _ = fleet
-    body = {"model": "k3.1-tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2}
-    pd, one = (post(procs[name].url, "/v1/completions", body).json()["choices"][0] for name in ("pd", "u1"))
-    assert pd["text"] == one["text"] and pd["logprobs"]["tokens"] == one["logprobs"]["tokens"]
-    assert pd["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)

@@ -291,5 +291,3 @@ def _connected(port: int) -> bool:
     """Some process holds an established TCP connection to 127.0.0.1:port."""
     out = subprocess.run(["ss", "-Htn", "state", "established", f"dport = :{port}"], capture_output=True, text=True)
     return bool(out.stdout.strip())
-
-

@@ -161,6 +161,7 @@ def test_logprobs_through_the_pd_router_equal_one_servers(fleet):
     assert pd["text"] == one["text"] and pd["logprobs"]["tokens"] == one["logprobs"]["tokens"]
     assert pd["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
 
+
 def test_sglang_generate_answers_as_sglang_and_as_the_openai_endpoint(fleet):
     """SGLang's native /generate: the OpenAI endpoint's greedy text in SGLang's shape on a unified server (a batch
     too, which the router does not forward), and the same answers through the data-parallel router and through the

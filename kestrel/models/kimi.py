@@ -200,11 +200,13 @@ class KimiForCausalLM(nn.Module):
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
                    cache: HybridCache | None = None, depth: int = 0) -> torch.Tensor:
         """Draft logits [T, vocab] fp32 of MTP layer `depth`: at token t, from hidden[t] and the id of token t+1."""
-        return self.mtp_draft(hidden, next_ids, batch, cache, depth)[0]
+        return self.mtp_head(self.mtp_hidden(hidden, next_ids, batch, cache, depth), depth)
 
-    def mtp_draft(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
-                  cache: HybridCache | None = None, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """As mtp_logits, plus the MTP layer's output h'' [T, D], from which a chained draft continues."""
-        layer = self.mtp_layers[depth]
-        x = layer.body(hidden, self.model.embed_tokens(next_ids), batch, cache)
-        return layer.head(x).float(), x
+    def mtp_hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                   cache: HybridCache | None = None, depth: int = 0) -> torch.Tensor:
+        """MTP layer `depth`'s output h'' [T, D] (before its head), from which a chained draft continues."""
+        return self.mtp_layers[depth].body(hidden, self.model.embed_tokens(next_ids), batch, cache)
+
+    def mtp_head(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """h'' [R, D] of MTP layer `depth` -> its draft logits [R, vocab] fp32."""
+        return self.mtp_layers[depth].head(x).float()

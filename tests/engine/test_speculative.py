@@ -212,8 +212,10 @@ def test_mtp_greedy_speculation_equals_plain_greedy(model_dir, plain):
 
 def test_mtp_drafts_are_the_mtp_layer_over_the_whole_sequence(model_dir):
     """After every step, the first draft is the MTP layer's prediction at the last computed position, computed
-    plainly over the whole sequence (the incremental MTP cache, rewritten over rejected positions, is exact)."""
-    llm = spec_llm(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2, disable_radix_cache=True)
+    plainly over the whole sequence (the incremental MTP cache, written over every prompt chunk and rewritten over
+    rejected positions, is exact)."""
+    llm = spec_llm(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2, disable_radix_cache=True,
+                   chunked_prefill_size=8)
     engine, model = llm.engine, llm.engine.model
     engine.add_request("r", PROMPTS[2], greedy(24))
     checked = 0

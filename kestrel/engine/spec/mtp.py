@@ -13,6 +13,7 @@ so the acceptance rule in verify.py keeps the output distribution the target's.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -45,38 +46,36 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput]) -> list[list[int]]:
-        """Up to input.count draft tokens per input (fewer where its pages end first)."""
+        """Run the layer over every input's positions (its cache needs them even where no draft is wanted yet,
+        as in a prompt's earlier chunks), then up to input.count draft tokens per input (fewer where its pages end
+        first)."""
         drafts: list[list[int]] = [[] for _ in inputs]
-        active = [i for i, x in enumerate(inputs) if x.count > 0]
-        if not active:
+        if not inputs:
             return drafts
-        ends = [inputs[i].start + len(inputs[i].next_ids) for i in active]     # the position each draft is for
-        logits, hidden = self._forward([inputs[i] for i in active], [inputs[i].start for i in active],
-                                       torch.cat([inputs[i].hidden for i in active]),
-                                       [t for i in active for t in inputs[i].next_ids],
-                                       [len(inputs[i].next_ids) for i in active])
-        last = torch.tensor([sum(len(inputs[j].next_ids) for j in active[:k + 1]) - 1 for k in range(len(active))])
-        tokens, hidden = logits[last].argmax(-1).tolist(), hidden[last]
-        for k, i in enumerate(active):
-            drafts[i].append(tokens[k])
-        while True:
-            going = [k for k, i in enumerate(active) if len(drafts[i]) < inputs[i].count
-                     and ends[k] < inputs[i].capacity]
-            if not going:
-                return drafts
-            logits, out = self._forward([inputs[active[k]] for k in going], [ends[k] for k in going],
-                                        hidden[going], [drafts[active[k]][-1] for k in going], [1] * len(going))
-            tokens = logits.argmax(-1).tolist()
-            hidden = hidden.clone()
-            hidden[going] = out
-            for j, k in enumerate(going):
-                drafts[active[k]].append(tokens[j])
-                ends[k] += 1
+        lengths = [len(x.next_ids) for x in inputs]
+        hidden = self._forward(inputs, [x.start for x in inputs], torch.cat([x.hidden for x in inputs]),
+                               [t for x in inputs for t in x.next_ids], lengths)
+        hidden = hidden[torch.tensor(list(itertools.accumulate(lengths)), device=self.device) - 1]    # last rows
+        ends = [x.start + n for x, n in zip(inputs, lengths)]           # the position each next draft is read at
+        going = [i for i, x in enumerate(inputs) if x.count > 0]
+        while going:
+            tokens = self.model.mtp_head(hidden[going]).argmax(-1).tolist()
+            for i, token in zip(going, tokens):
+                drafts[i].append(token)
+            going = [i for i in going if len(drafts[i]) < inputs[i].count and ends[i] < inputs[i].capacity]
+            if going:
+                hidden = hidden.clone()
+                hidden[going] = self._forward([inputs[i] for i in going], [ends[i] for i in going], hidden[going],
+                                              [drafts[i][-1] for i in going], [1] * len(going))
+                for i in going:
+                    ends[i] += 1
+        return drafts
 
     def _forward(self, inputs: list[DraftInput], starts: list[int], hidden: torch.Tensor, next_ids: list[int],
-                 lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                 lengths: list[int]) -> torch.Tensor:
+        """The layer's output h'' [T, D] over lengths[i] positions from starts[i] (writing its latent cache)."""
         slots = torch.tensor([x.slot for x in inputs], device=self.device)
         width = max(-(-x.capacity // self.cache.page_size) for x in inputs)
         batch = ForwardBatch.build(lengths, starts, slots, self.page_table.gather(slots, width),
                                    self.cache.page_size, self.device)
-        return self.model.mtp_draft(hidden, torch.tensor(next_ids, device=self.device), batch, self.cache)
+        return self.model.mtp_hidden(hidden, torch.tensor(next_ids, device=self.device), batch, self.cache)

@@ -105,7 +105,7 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
             scheduled.add(seq)
-            budget -= length
+            budget -= length + len(draft)
         self.waiting.sort(key=lambda s: s.priority_key)
         while self.waiting and budget > 0:
             length = self._admit(self.waiting[0], budget)
@@ -123,9 +123,9 @@ class Scheduler:
             return
         self._insert_pages(seq)
         computed, prompt = seq.num_computed, len(seq.request.prompt_ids)
+        at_cache_point = computed == seq.request.cache_point > 0
         aligned = self.extra_buffer and computed % self.kv_pool.page_size == 0
-        if computed == self._prompt_snapshot_at(seq) > 0 or (aligned and (computed < prompt or computed - seq.last_snapshot
-                                               >= self.track_interval)):
+        if at_cache_point or (aligned and (computed < prompt or computed - seq.last_snapshot >= self.track_interval)):
             self._snapshot(seq)
 
     def _insert_pages(self, seq: Sequence) -> None:
@@ -182,17 +182,11 @@ class Scheduler:
         self.running.append(child)
 
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
-        """With a prefix cache, a prompt's prefill stops at its prompt snapshot, where its state is saved."""
+        """With a prefix cache, a prompt's prefill stops at its request's cache point, where its state is saved."""
         end = seq.num_tokens
-        if self.prefix_cache is not None and seq.num_computed < self._prompt_snapshot_at(seq):
-            end = self._prompt_snapshot_at(seq)
+        if self.prefix_cache is not None and seq.num_computed < seq.request.cache_point:
+            end = seq.request.cache_point
         return min(end - seq.num_computed, budget, self.chunk_size)
-
-    def _prompt_snapshot_at(self, seq: Sequence) -> int:
-        """Where a prompt's state is saved (0: nowhere): its request's cache_point, by default before the prompt's
-        last token (a repeat of the prompt resumes there), for a chat where its messages end (the next turn, which
-        renders the reply as history, shares the prompt up to there)."""
-        return seq.request.cache_point
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow (evicting what

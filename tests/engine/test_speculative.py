@@ -244,3 +244,17 @@ def test_mtp_drafts_pay_on_the_bundled_model():
     plain = LLM(str(BUNDLED_MODEL), dtype="float32")
     assert llm.generate(text, params)[0].outputs[0].text == plain.generate(text, params)[0].outputs[0].text
     assert llm.engine.spec_stats.acceptance_length > 1.3
+
+
+def test_draft_tokens_count_against_the_step_budget(model_dir, plain, oracle, monkeypatch):
+    llm = spec_llm(model_dir, max_prefill_tokens=7)
+    scheduler, totals = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def counted():
+        chunks = schedule()
+        totals.append(sum(c.length for c in chunks))
+        return chunks
+    monkeypatch.setattr(scheduler, "schedule", counted)
+    assert answers(llm, PROMPTS, greedy()) == answers(plain, PROMPTS, greedy())
+    assert max(totals) == 7 and llm.engine.spec_stats.accepted_tokens > 0

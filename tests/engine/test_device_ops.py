@@ -53,7 +53,8 @@ def test_journal_equals_copies_in_order(seed: int) -> None:
         ops.copy_slots([src], [dst]) if kind == "slots" else ops.copy_pages([src], [dst])
         _one_at_a_time(expected, kind, src, dst)
     taken = ops.take()
-    assert len(taken) < 12 or seed != 0     # independent copies merge (seed 0 has some)
+    if seed == 0:                           # seed 0 has independent neighbours: they merge into fewer copies
+        assert len(taken) < 12
     apply_ops(journaled, taken)
     assert ops.take() == []
     for a, b in zip(_tensors(journaled), _tensors(expected)):

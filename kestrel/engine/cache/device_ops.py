@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ...layers.cache import HybridCache
-from .hicache import Entry, entry_to_pages, entry_to_slot, pages_to_entry, slot_to_entry
+from .hicache import Entry, entry_to_pages, entry_to_slot, page_views, pages_to_entry, slot_to_entry, slot_views
 
 Part = tuple[str, int]
 """("slot", slot) or ("page", page): one piece of an entry; its tensors are named "{i}.{name}" for part i."""
@@ -68,8 +68,11 @@ class DeviceOps:
 
 
 def entry_spec(cache: HybridCache, parts: list[Part]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Name -> (shape, dtype) of the entry that saving parts of cache gives (what a loaded entry must match)."""
-    return {name: (t.shape, t.dtype) for name, t in _read(cache, parts).items()}
+    """Name -> (shape, dtype) of the entry that saving parts of cache gives (what a loaded entry must match),
+    from views of the cache (nothing is copied)."""
+    views = {"slot": slot_views, "page": page_views}
+    return {f"{i}.{name}": (t.shape, t.dtype) for i, (kind, index) in enumerate(parts)
+            for name, t in views[kind](cache, index).items()}
 
 
 def _read(cache: HybridCache, parts: list[Part]) -> Entry:

@@ -343,25 +343,26 @@ class EntryMismatch(ValueError):
 def pages_to_entry(cache: HybridCache, page: int) -> Entry:
     """CPU copies of one page's rows: "mla.{j}.latent" [page_size, D] (+ "mla.{j}.latent_scales" [page_size] fp32
     when FP8), and likewise "mla.{j}.index_keys" when the layer has an indexer."""
-    return {name: view.to("cpu", copy=True) for name, view in _page_views(cache, page).items()}
+    return {name: view.to("cpu", copy=True) for name, view in page_views(cache, page).items()}
 
 
 def entry_to_pages(cache: HybridCache, page: int, tensors: Entry) -> None:
     """Write an entry of pages_to_entry back into page; EntryMismatch (nothing written) if it does not fit."""
-    _copy_into(_page_views(cache, page), tensors)
+    _copy_into(page_views(cache, page), tensors)
 
 
 def slot_to_entry(cache: HybridCache, slot: int) -> Entry:
     """CPU copies of one slot's state: "kda.{i}.conv" [kernel-1, 3*H*K] and "kda.{i}.recurrent" [H, K, V]."""
-    return {name: view.to("cpu", copy=True) for name, view in _slot_views(cache, slot).items()}
+    return {name: view.to("cpu", copy=True) for name, view in slot_views(cache, slot).items()}
 
 
 def entry_to_slot(cache: HybridCache, slot: int, tensors: Entry) -> None:
     """Write an entry of slot_to_entry back into slot; EntryMismatch (nothing written) if it does not fit."""
-    _copy_into(_slot_views(cache, slot), tensors)
+    _copy_into(slot_views(cache, slot), tensors)
 
 
-def _page_views(cache: HybridCache, page: int) -> Entry:
+def page_views(cache: HybridCache, page: int) -> Entry:
+    """One page's rows in the cache itself (views, no copy), named as pages_to_entry names them."""
     num_pages = cache.mla[0].latent.values.shape[0] // cache.page_size if cache.mla else 0
     if not 0 <= page < num_pages:
         raise ValueError(f"page {page} is out of range; the cache has {num_pages} pages.")
@@ -376,7 +377,8 @@ def _page_views(cache: HybridCache, page: int) -> Entry:
     return views
 
 
-def _slot_views(cache: HybridCache, slot: int) -> Entry:
+def slot_views(cache: HybridCache, slot: int) -> Entry:
+    """One slot's state in the cache itself (views, no copy), named as slot_to_entry names them."""
     num_slots = cache.kda[0].conv.shape[0] if cache.kda else 0
     if not 0 <= slot < num_slots:
         raise ValueError(f"slot {slot} is out of range; the cache has {num_slots} slots.")

@@ -70,6 +70,8 @@ class EngineArgs:
     speculative_draft_model_path: str | None = None  # DFLASH: the block draft's folder (kestrel.models.block_draft)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
+    enable_torch_compile: bool = False           # CPU: decode steps compiled by torch.compile (decode_graphs.py)
+    torch_compile_max_bs: int = 32               # largest decode batch run compiled (bigger run eagerly)
 
     def __post_init__(self) -> None:
         checks = [
@@ -91,6 +93,7 @@ class EngineArgs:
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),
+            (self.torch_compile_max_bs >= 1, "torch_compile_max_bs", "at least 1"),
             (self.mamba_scheduler_strategy in ("no_buffer", "extra_buffer"), "mamba_scheduler_strategy",
              "no_buffer or extra_buffer"),
             (self.mamba_track_interval >= 1, "mamba_track_interval", "at least 1"),

@@ -54,15 +54,22 @@ class LLMEngine:
         self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
         device = self.ranks.device if self.ranks else torch.device(args.device)
         graphs = not args.disable_cuda_graph and graphs_supported(device)
+        compiled = args.enable_torch_compile and device.type == "cpu"
+        if args.enable_torch_compile and not compiled:
+            log.info("decode: --enable-torch-compile compiles CPU decode steps; on %s, CUDA graphs replay them",
+                     device.type)
+        graphs = graphs or compiled
         if graphs and args.speculative_algorithm in ("NEXTN", "DFLASH"):
             graphs = False
-            log.info("decode: CUDA graphs are not used with model drafters yet (they read every step's hidden states)")
+            log.info("decode: CUDA graphs and compiled steps are not used with model drafters yet (they read every "
+                     "step's hidden states)")
         if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
             self.shutdown()
             raise ValueError(f"the {args.speculative_algorithm} drafter runs in one process for now; drop --tp-size "
                              "or use NGRAM.")
         if graphs and self.ranks:
-            log.info("decode: CUDA graphs are not used with more than one rank yet; decoding eagerly")
+            log.info("decode: CUDA graphs and compiled steps are not used with more than one rank yet; decoding "
+                     "eagerly")
         try:
             shard = load_shard(args, self.ranks.par if self.ranks else SINGLE, device,
                                self.ranks.control if self.ranks else None, graphs and not self.ranks)
@@ -88,10 +95,12 @@ class LLMEngine:
                                    args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0)
         decode_graphs = None
         if shard.graphs:
-            max_batch = min(args.cuda_graph_max_bs, self.plan.max_running_requests)
-            decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_batch, scratch_slot=slots)
-            log.info("decode: CUDA graphs for batches of up to %d sequences, captured on first use",
-                     decode_graphs.max_batch_size)
+            max_bs = min(args.torch_compile_max_bs if compiled else args.cuda_graph_max_bs,
+                         self.plan.max_running_requests)
+            decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_bs, scratch_slot=slots,
+                                         compile="inductor" if compiled else None)
+            log.info("decode: %s for batches of up to %d sequences, made on first use",
+                     "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps

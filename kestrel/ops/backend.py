@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 
 import torch
 
@@ -101,8 +102,14 @@ def backend_for(op: str, device: torch.device | str) -> str:
     return choice
 
 
+_modules: dict[tuple[str, str], ModuleType] = {}
+"""(op, backend) -> the module implementing it, once imported (torch.compile traces a lookup, not an import)."""
+
+
 def get_op(op: str, device: torch.device | str) -> Callable:
     """The function implementing `op` for tensors on `device` (see backend_for)."""
-    backend = backend_for(op, device)
-    module = OPS[op].torch_module if backend == TORCH else OPS[op].triton_module
-    return getattr(importlib.import_module(f"kestrel.ops.{backend}.{module}"), op)
+    key = (op, backend_for(op, device))
+    if key not in _modules:
+        module = OPS[op].torch_module if key[1] == TORCH else OPS[op].triton_module
+        _modules[key] = importlib.import_module(f"kestrel.ops.{key[1]}.{module}")
+    return getattr(_modules[key], op)

@@ -84,17 +84,20 @@ def cache_tensors(cache: HybridCache) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("preset,ops", [("k3.1-tiny", "torch"), ("kimi-linear-tiny", "torch"),
-                                        ("k3.1-tiny", "triton")])
+@pytest.mark.parametrize("preset,ops,compile", [("k3.1-tiny", "torch", None), ("kimi-linear-tiny", "torch", None),
+                                                ("k3.1-tiny", "triton", None), ("k3.1-tiny", "torch", "aot_eager")])
 @torch.inference_mode()
-def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
+def test_padded_graph_steps_equal_dynamic_steps(preset, ops, compile, restore_backends):
     """Padding (3 sequences in a graph of 4, then 2), slots and pages out of order, the page-table width bucket
     growing with the context: the same logits as dynamic steps on the torch reference ops, and the same cache
-    contents outside scratch."""
+    contents outside scratch; also with the steps traced by torch.compile into one graph each (aot_eager: the graph
+    inductor compiles on the CPU's fast path, run without generating code; tests/engine/test_compiled_decode.py
+    compiles it)."""
     model, _ = tiny_model(preset)
     dynamic_cache = prefilled_cache(model)
     static_cache = prefilled_cache(model)
-    graphs = DecodeGraphs(model, static_cache, page_table(), max_batch_size=8, scratch_slot=SLOTS - 1)
+    graphs = DecodeGraphs(model, static_cache, page_table(), max_batch_size=8, scratch_slot=SLOTS - 1,
+                          compile=compile)
     lengths = [len(p) for p in PROMPTS]
     tokens = [p[-1] for p in PROMPTS]
     expected_keys = set()
@@ -178,12 +181,13 @@ def test_every_captured_batch_size_decodes_the_dynamic_steps_greedy_tokens(resto
     assert {size for size, _ in graphs.steps} == set(batch_sizes(MAX_BS)) == {1, 2, 4, 8, 12}
 
 
-@pytest.mark.parametrize("ops,syncs", [("triton", False), ("torch", True)])
+@pytest.mark.parametrize("ops", ["triton", "torch"])
 @torch.inference_mode()
-def test_the_captured_step_never_waits_on_the_device(ops, syncs, restore_backends):
-    """What capture needs, checked on the step a graph records (FP8 KV cache): on the Triton ops no op reads
-    device values on the host, sizes an output by them, or copies host data in; the torch references do (the
-    detector's control)."""
+def test_the_captured_step_never_waits_on_the_device(ops, restore_backends):
+    """What capture (and torch.compile's single graph) needs, checked on the step a graph records (FP8 KV cache):
+    no op reads device values on the host, sizes an output by them, or copies host data in. The torch routed
+    experts read their grouping by tolist, which the detector cannot see on the CPU (a compiled step calls them as
+    one custom op); building a dynamic batch is the detector's control."""
     backend.set_backend(ops)
     model, _ = tiny_model("k3.1-tiny")
     cache = prefilled_cache(model, torch.float8_e4m3fn)
@@ -192,7 +196,10 @@ def test_the_captured_step_never_waits_on_the_device(ops, syncs, restore_backend
     detector = HostSyncDetector()
     with detector:
         graphs.steps[(4, 4)]()
-    assert bool(detector.found) == syncs, detector.found
+    assert detector.found == []
+    with detector:
+        ForwardBatch.build([2, 1], [6, 1], SEQ_SLOTS[:2], SEQ_PAGES[:2], PAGE)
+    assert detector.found
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_largest():
@@ -230,12 +237,29 @@ def test_engine_tokens_are_the_same_with_graph_replays(model_dir, monkeypatch):
     assert_idle(pools)
 
 
-def test_cuda_graph_flags():
+def test_cuda_graph_and_torch_compile_flags():
     import argparse
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    args = EngineArgs.from_cli(parser.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "32"]))
+    args = EngineArgs.from_cli(parser.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "32",
+                                                  "--enable-torch-compile", "--torch-compile-max-bs", "8"]))
     assert args.disable_cuda_graph and args.cuda_graph_max_bs == 32
-    assert not EngineArgs.from_cli(parser.parse_args([])).disable_cuda_graph
+    assert args.enable_torch_compile and args.torch_compile_max_bs == 8
+    defaults = EngineArgs.from_cli(parser.parse_args([]))
+    assert not defaults.disable_cuda_graph and not defaults.enable_torch_compile
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be at least 1"):
         EngineArgs(model="m", cuda_graph_max_bs=0)
+    with pytest.raises(ValueError, match="torch_compile_max_bs must be at least 1"):
+        EngineArgs(model="m", torch_compile_max_bs=0)
+
+
+def test_the_engine_compiles_cpu_decode_steps_when_asked(model_dir):
+    """--enable-torch-compile on the CPU: decode steps of up to --torch-compile-max-bs sequences go through a
+    torch.compile'd step (compiled on first use: tests/engine/test_compiled_decode.py runs it), with the scratch slot
+    and page that padding needs; off by default."""
+    assert LLM(str(model_dir), page_size=4).engine.runner.decode_graphs is None
+    engine = LLM(str(model_dir), page_size=4, enable_torch_compile=True, torch_compile_max_bs=8).engine
+    graphs, pools = engine.runner.decode_graphs, engine.scheduler
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.forward is not graphs._forward and not graphs.capture
+    assert graphs.scratch_slot == pools.state_pool.num_slots
+    assert (pools.page_table.rows[graphs.scratch_slot] == pools.kv_pool.num_pages).all()

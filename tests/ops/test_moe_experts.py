@@ -1,7 +1,8 @@
 """The routed experts' torch op (the CPU path and the reference) against the plain formula, token by token in float64:
 dense and MXFP4 experts, SiLU and SiTU, 1 to 64 tokens, a token routed twice to one expert, many tokens on one expert,
 experts with no tokens; gradients; MXFP4's table expansion against kestrel.quant.dequantize_mxfp4; and the op works
-in place: no tensor it creates is as large as the weights of two experts' matrices."""
+in place: no tensor it creates is as large as the weights of two experts' matrices. The two forms a compiled decode
+step runs (one pair at a time; grouped as a custom op) against the same formula."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kestrel.ops.torch.moe import ExpertWeights, GLUActivation, expand_mxfp4, moe_experts
+from kestrel.ops.torch.moe import ExpertWeights, GLUActivation, expand_mxfp4, moe_experts, moe_experts_by_pairs
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
 
 ACTIVATIONS = {"silu": GLUActivation("silu"), "situ": GLUActivation("situ", beta=4.0, linear_beta=25.0)}
@@ -55,18 +56,40 @@ def routing(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torc
     return ids, torch.rand(tokens, TOP_K, generator=generator)
 
 
+def grouped_custom_op(z, ids, weights, experts: ExpertWeights, activation: GLUActivation) -> torch.Tensor:
+    """moe_experts as the custom op a compiled graph calls."""
+    tensors = [getattr(experts, name) for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")]
+    return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *tensors, activation.kind, activation.beta,
+                                                 activation.linear_beta, False)
+
+
+PATHS = {"grouped": moe_experts, "by_pairs": moe_experts_by_pairs, "custom_op": grouped_custom_op}
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 64])
 @pytest.mark.parametrize("mxfp4", [False, True])
 @pytest.mark.parametrize("activation", ["silu", "situ"])
-def test_matches_the_per_token_formula(tokens: int, mxfp4: bool, activation: str) -> None:
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_the_per_token_formula(tokens: int, mxfp4: bool, activation: str, path: str) -> None:
     generator = torch.Generator().manual_seed(tokens)
     experts = make_experts(mxfp4, generator)
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
     expected = per_token(z, ids, weights, experts, ACTIVATIONS[activation])
-    actual = moe_experts(z, ids, weights, experts, ACTIVATIONS[activation])
+    actual = PATHS[path](z, ids, weights, experts, ACTIVATIONS[activation])
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_the_custom_op_is_registered_soundly(mxfp4: bool) -> None:
+    """torch.library.opcheck: the custom op's schema, fake (shape-only) implementation and dispatch agree."""
+    generator = torch.Generator().manual_seed(1)
+    experts = make_experts(mxfp4, generator)
+    ids, weights = routing(5, generator)
+    tensors = [getattr(experts, name) for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")]
+    torch.library.opcheck(torch.ops.kestrel.moe_experts_grouped.default,
+                          (torch.randn(5, DIM, generator=generator), ids, weights, *tensors, "situ", 4.0, 25.0, False))
 
 
 def test_no_tokens() -> None:

@@ -24,9 +24,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     if initial_state is None:
         initial_state = x.new_zeros(n, width - 1, channels)
     if num_tokens == n and bool((cu_seqlens.diff() == 1).all()):    # decode: one token per sequence
-        window = torch.cat([initial_state.to(x.dtype), x.unsqueeze(1)], 1)              # [N, W, C]
-        y = torch.einsum("nwc,cw->nc", window.to(weight.dtype), weight).to(x.dtype)
-        return y, window[:, 1:]
+        return causal_conv1d_step(x, weight, initial_state)
     # Rows of `source`: every sequence's state rows first, then the new tokens.
     source = torch.cat([initial_state.reshape(n * (width - 1), channels).to(x.dtype), x])
     lens = cu_seqlens.diff()
@@ -40,6 +38,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     tail = lens.unsqueeze(1) + torch.arange(width - 1, device=x.device)                 # [N, W-1]
     state_rows = _source_rows(torch.arange(n, device=x.device).unsqueeze(1), tail, cu_seqlens, width, n)
     return y, source.index_select(0, state_rows.flatten()).view(n, width - 1, channels)
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d for one new token per sequence, with no host synchronisation: x [N, C]; weight [C, W];
+    state [N, W-1, C]. Returns y [N, C] and the new state [N, W-1, C], both in x's dtype."""
+    window = torch.cat([state.to(x.dtype), x.unsqueeze(1)], 1)                          # [N, W, C]
+    y = torch.einsum("nwc,cw->nc", window.to(weight.dtype), weight).to(x.dtype)
+    return y, window[:, 1:]
 
 
 def _source_rows(seq: torch.Tensor, ext: torch.Tensor, cu_seqlens: torch.Tensor, width: int, n: int) -> torch.Tensor:

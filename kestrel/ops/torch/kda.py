@@ -107,8 +107,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     scale = key_dim ** -0.5 if scale is None else scale
     state = _initial_state(initial_state, (num_seqs, num_heads, key_dim, value_dim), dtype, q.device)
     if lengths and min(lengths) == max(lengths) == 1:       # plain decode: one token per sequence, no padding
-        state = _recurrent_step(state, k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
-        o = torch.einsum("nhk,nhkv->nhv", q.to(dtype) * scale, state).to(v.dtype)
+        o, state = recurrent_kda_step(q, k, v, g, beta, state, scale)
         return o, state, state if output_token_states else None
     max_len = max(lengths, default=0)
     seq, pos = _token_positions(lengths, q.device)
@@ -124,6 +123,17 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     o = _stack_steps(outputs, v_p)[slot].to(v.dtype)
     token_states = _stack_steps(states, state.unsqueeze(1))[slot] if output_token_states else None
     return o, state, token_states
+
+
+def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of N sequences, with no host synchronisation: q, k, g [N, H, K]; v [N, H, V];
+    beta [N, H]; state [N, H, K, V]. Returns o [N, H, V] in v's dtype and the new state, computed in float32
+    (float64 when an input is)."""
+    dtype = _compute_dtype(q, k, v, g, beta, state)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    state = _recurrent_step(state.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
+    return torch.einsum("nhk,nhkv->nhv", q.to(dtype) * scale, state).to(v.dtype), state
 
 
 def _stack_steps(steps: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

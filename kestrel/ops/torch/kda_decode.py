@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .conv import causal_conv1d
-from .kda import recurrent_kda
+from .conv import causal_conv1d, causal_conv1d_step
+from .kda import recurrent_kda, recurrent_kda_step
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,25 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     keep = use_state.view(-1, 1, 1)
     conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
     state = torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
-    y, conv_final = causal_conv1d(qkv, params.conv_weight, cu_seqlens, conv_state)
+    one_each = num_tokens == slots.numel()      # one token per sequence: steps without host synchronisation
+    if one_each:
+        y, conv_final = causal_conv1d_step(qkv, params.conv_weight, conv_state)
+    else:
+        y, conv_final = causal_conv1d(qkv, params.conv_weight, cu_seqlens, conv_state)
     q, k, v = F.silu(y).view(num_tokens, 3, num_heads, head_dim).unbind(1)
+    q, k = l2_normalize(q), l2_normalize(k)
     g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)
     beta = torch.sigmoid(beta_raw.float())
-    o, final, token_recurrent = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta, cu_seqlens,
-                                              initial_state=state, scale=scale,
-                                              output_token_states=keep_token_states)
+    if one_each:
+        o, final = recurrent_kda_step(q, k, v, g, beta, state, scale)
+        token_recurrent = final
+    else:
+        o, final, token_recurrent = recurrent_kda(q, k, v, g, beta, cu_seqlens, initial_state=state, scale=scale,
+                                                  output_token_states=keep_token_states)
     o = gated_rms_norm(o, out_gate, params.norm_weight, params.norm_eps)
     if keep_token_states:
-        token_conv = token_conv_states(qkv, conv_state, cu_seqlens).to(conv_pool.dtype)
-        return o, TokenStates(conv=token_conv, recurrent=token_recurrent)
+        token_conv = conv_final if one_each else token_conv_states(qkv, conv_state, cu_seqlens)
+        return o, TokenStates(conv=token_conv.to(conv_pool.dtype), recurrent=token_recurrent)
     conv_pool[slots] = conv_final.detach().to(conv_pool.dtype)
     state_pool[slots] = final.detach().to(state_pool.dtype)
     return o, None

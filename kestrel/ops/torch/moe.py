@@ -23,7 +23,6 @@ The previous path (used experts gathered and dequantized whole every call) took 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +34,20 @@ _PAIR_INT = {2: torch.int32, 4: torch.int64}
 """The integer dtype as wide as two values of a 2- or 4-byte float: one gather moves both values of a packed byte."""
 
 
-@cache
+_pair_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+"""_mxfp4_pair_table's tables, once built (torch.compile reads a built one as an input instead of rebuilding it)."""
+
+
 def _mxfp4_pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[65536] entries: entry 256 * scale + byte holds byte's two values (low nibble first) under E8M0 scale `scale`
     in dtype, as dequantize_mxfp4 computes them (NaN for scale 0xFF); each pair is one integer of twice dtype's width
     when there is one (so one gather moves both values), else a row [2]."""
+    if (dtype, device) not in _pair_tables:
+        _pair_tables[dtype, device] = _build_pair_table(dtype, device)
+    return _pair_tables[dtype, device]
+
+
+def _build_pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     packed = torch.arange(256, dtype=torch.uint8, device=device).repeat(256).view(4096, 16)    # 16 bytes per scale
     scale = torch.arange(256, dtype=torch.uint8, device=device).repeat_interleave(16).view(4096, 1)
     pairs = dequantize_mxfp4(packed, scale, dtype).view(65536, 2)
@@ -89,6 +97,14 @@ class ExpertWeights:
             weight, scale = weight[expert], scale[expert]
         return expand_mxfp4(weight, scale, dtype)
 
+    def rows(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Weight `name` of each expert in experts [P] int64, [P, out, in] in dtype, read where it lies (a gather
+        that torch.compile fuses into the reader; eagerly a copy)."""
+        weight = getattr(self, name).index_select(0, experts)
+        if not self.mxfp4:
+            return weight.to(dtype)
+        return expand_mxfp4(weight, getattr(self, f"{name}_scale").index_select(0, experts), dtype)
+
 
 @dataclass(frozen=True)
 class GLUActivation:
@@ -114,7 +130,15 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     z: [T, D] (fp32, fp16 or bf16); ids: [T, k] int64; weights: [T, k] fp32 routing weights. Each expert GEMM
     runs in z's dtype, its input rounded to MXFP8 first with mxfp8_activations (D and I multiples of 32); the
     weighted sum is accumulated in fp32. Differentiable with respect to z, weights and dense experts.
+
+    Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: fewer pairs than experts
+    run `moe_experts_by_pairs` in the graph, more run this grouped computation as one opaque custom op.
     """
+    if torch.compiler.is_compiling():
+        if ids.numel() < experts.num_experts and not mxfp8_activations:
+            return moe_experts_by_pairs(z, ids, weights, experts, activation)
+        return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *_tensors(experts), activation.kind,
+                                                     activation.beta, activation.linear_beta, mxfp8_activations)
     if ids.numel() == 0:
         return torch.zeros_like(z)
     quantize = fake_quantize_mxfp8 if mxfp8_activations else (lambda t: t)
@@ -135,3 +159,39 @@ def _per_expert(x: torch.Tensor, groups: list[tuple[int, int]], experts: ExpertW
     weight `name` (transposed), in x's dtype."""
     parts = x.split([rows for _, rows in groups])
     return torch.cat([part @ experts.dense(name, e, x.dtype).t() for (e, _), part in zip(groups, parts)])
+
+
+def moe_experts_by_pairs(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+                         activation: GLUActivation) -> torch.Tensor:
+    """moe_experts (without MXFP8 activations) one token-expert pair at a time, with no host sync: each pair reads
+    its expert's rows where they lie (a packed tile expanded where it is read), as products summed over the input
+    dim, so that torch.compile fuses the read, the expansion and the reduction into one loop (no expert matrix is
+    copied). Eagerly it is slow (it materializes each pair's weights); the compiled decode step runs it for few
+    pairs. Same shapes as moe_experts."""
+    num_tokens, top_k = ids.shape
+    expert = ids.flatten()                                                         # [P]
+    x = z.repeat_interleave(top_k, 0)                                              # [P, D]: pair p's token
+    gate, up = ((experts.rows(name, expert, z.dtype) * x.unsqueeze(1)).sum(-1) for name in ("w1", "w3"))   # [P, I]
+    h = activation(gate, up)
+    y = (experts.rows("w2", expert, z.dtype) * h.unsqueeze(1)).sum(-1)                                    # [P, D]
+    return (y.float().view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1).to(z.dtype)
+
+
+def _tensors(experts: ExpertWeights) -> list[torch.Tensor | None]:
+    """The experts' tensors in the custom op's argument order."""
+    return [experts.w1, experts.w3, experts.w2, experts.w1_scale, experts.w3_scale, experts.w2_scale]
+
+
+@torch.library.custom_op("kestrel::moe_experts_grouped", mutates_args=())
+def _moe_experts_grouped(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                         w3: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None,
+                         w3_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, kind: str, beta: float,
+                         linear_beta: float, mxfp8_activations: bool) -> torch.Tensor:
+    """moe_experts as one op a compiled graph calls without tracing it (it reads its grouping on the host)."""
+    experts = ExpertWeights(w1, w3, w2, w1_scale, w3_scale, w2_scale)
+    return moe_experts(z, ids, weights, experts, GLUActivation(kind, beta, linear_beta), mxfp8_activations)
+
+
+@_moe_experts_grouped.register_fake
+def _(z, ids, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, kind, beta, linear_beta, mxfp8_activations):
+    return torch.empty_like(z)

@@ -57,7 +57,7 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     seq_index, positions: [T] int64; selected: [T, k] int64 positions (-1 = none) for sparse MLA, or None.
     Returns [T, H, value_dim] in q's dtype; a query with no visible row gets zeros.
     """
-    context_len = int(positions.max()) + 1 if positions.numel() else 0
+    context_len = page_table.shape[1] * page_size       # every position the table can hold (no host sync)
     position = torch.arange(context_len, device=q.device)
     rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), position)          # [T, S]
     visible = position <= positions.unsqueeze(1)

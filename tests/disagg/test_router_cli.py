@@ -22,6 +22,20 @@ def test_defaults_fill_in_and_user_flags_win():
     assert "--host" not in args and args[args.index("--policy") + 1] == "cache_aware"
 
 
+def test_prometheus_follows_the_routers_host_and_port():
+    """sglang-router binds its metrics to 0.0.0.0:29000 whatever its own address: kestrel's default keeps them on the
+    router's host, 1000 below its port, so two routers can run side by side; the user's flags still win."""
+    def flags(args: list[str]) -> dict[str, str]:
+        rest = router_command(args)[3:]
+        return {flag: rest[rest.index(flag) + 1] for flag in ("--prometheus-host", "--prometheus-port") if flag in rest}
+    assert flags([]) == {"--prometheus-host": "127.0.0.1", "--prometheus-port": "29000"}
+    assert flags(["--port", "8000", "--host", "10.0.0.5"]) == {"--prometheus-host": "10.0.0.5",
+                                                               "--prometheus-port": "7000"}
+    assert flags(["--port=8100"])["--prometheus-port"] == "7100"
+    assert flags(["--port", "8000", "--prometheus-port", "9100"]) == {"--prometheus-host": "127.0.0.1",
+                                                                      "--prometheus-port": "9100"}
+
+
 def test_workers_get_the_serve_flags_but_their_own_address():
     assert worker_args(["--dp-size", "2", "--port=9000", "--page-size", "4", "--host", "0.0.0.0"]) == \
         ["--page-size", "4"]

@@ -1,7 +1,7 @@
 """`kestrel router`: SGLang's router (sglang-router) in front of kestrel servers, started with kestrel's defaults
 (loopback, cache-aware routing, health checks every 10 s; Prometheus metrics on the router's host, at its port
-minus 1000, so 29000 for the router's default 30000 and two routers on two ports do not collide); every other flag
-goes to the router unchanged."""
+minus 1000 (plus 1000 below port 2024), so 29000 for the router's default 30000 and two routers on two ports do
+not collide); every other flag goes to the router unchanged."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def router_command(args: list[str]) -> list[str]:
     """The sglang_router command line for `kestrel router ARGS`."""
     given = dict(_flag_values(args))
     port = int(given.get("--port", ROUTER_PORT))
+    metrics_port = port - METRICS_BELOW if port - METRICS_BELOW >= 1024 else port + METRICS_BELOW
     defaults = {**DEFAULTS, "--prometheus-host": given.get("--host", DEFAULTS["--host"]),
-                "--prometheus-port": str(port - METRICS_BELOW)}
+                "--prometheus-port": str(metrics_port)}
     missing = [part for flag, value in defaults.items() if flag not in given for part in (flag, value)]
     return [sys.executable, "-m", "sglang_router.launch_router", *missing, *args]
 

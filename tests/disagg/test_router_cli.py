@@ -32,6 +32,7 @@ def test_prometheus_follows_the_routers_host_and_port():
     assert flags(["--port", "8000", "--host", "10.0.0.5"]) == {"--prometheus-host": "10.0.0.5",
                                                                "--prometheus-port": "7000"}
     assert flags(["--port=8100"])["--prometheus-port"] == "7100"
+    assert flags(["--port", "80"])["--prometheus-port"] == "1080"
     assert flags(["--port", "8000", "--prometheus-port", "9100"]) == {"--prometheus-host": "127.0.0.1",
                                                                       "--prometheus-port": "9100"}
 

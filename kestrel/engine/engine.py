@@ -16,7 +16,6 @@ import torch
 
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
-from ..models.block_draft import load_block_draft
 from .args import EngineArgs
 from .cache.device_ops import DeviceOps, apply_ops
 from .cache.kv_pool import KVPool
@@ -115,8 +114,7 @@ class LLMEngine:
                                  f"{args.model} has none.")
             self.drafter = MTPDrafter(self.model, self.cache, page_table)
         elif args.speculative_algorithm == "DFLASH":
-            draft = load_block_draft(args.speculative_draft_model_path, self.model.lm_head.weight.dtype, device)
-            self.drafter = BlockDrafter(self.model, draft)
+            self.drafter = BlockDrafter(self.model, shard.draft)
         torch.manual_seed(args.random_seed)
 
     def shutdown(self) -> None:

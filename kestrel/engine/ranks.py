@@ -25,6 +25,7 @@ from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import Parallel
 from ..layers.cache import HybridCache
 from ..layers.moe import RoutedExperts, hold_dense_experts
+from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
 from ..models.kimi import KimiForCausalLM
 from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
@@ -48,6 +49,7 @@ class RankShard:
     cache: HybridCache
     page_table: PageTable
     graphs: bool               # decode by CUDA graphs (one rank only); the pools then hold one scratch slot and page
+    draft: BlockDraftModel | None = None   # DFLASH's block draft, its weights counted in the plan
 
 
 def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
@@ -64,6 +66,10 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
     weights = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    draft = None
+    if args.speculative_algorithm == "DFLASH":
+        draft = load_block_draft(args.speculative_draft_model_path, dtype, device)
+        weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}
     cache_config = par.layout.cache_config(config)
     mtp_layers = 1 if args.speculative_algorithm == "NEXTN" else 0     # the MTP drafter's layer caches latents too
 
@@ -96,7 +102,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
-    return RankShard(model, memory_plan, cache, page_table, graphs)
+    return RankShard(model, memory_plan, cache, page_table, graphs, draft)
 
 
 def _use_mxfp8_activations(model: KimiForCausalLM, name: str) -> None:

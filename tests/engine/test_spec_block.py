@@ -26,6 +26,14 @@ def test_dflash_greedy_speculation_equals_plain_greedy():
     assert_idle(spec.engine.scheduler)
 
 
+def test_the_block_drafts_weights_are_in_the_memory_plan():
+    plain = LLM(str(BUNDLED_MODEL), dtype="float32").engine.plan.weight_bytes
+    engine = LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
+                 speculative_draft_model_path=str(DRAFT)).engine
+    draft = sum(t.numel() * t.element_size() for t in engine.drafter.draft_model.state_dict().values())
+    assert draft > 0 and engine.plan.weight_bytes == plain + draft
+
+
 def test_dflash_needs_a_draft_model_path():
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         EngineArgs(model=str(BUNDLED_MODEL), speculative_algorithm="DFLASH")

@@ -74,8 +74,8 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     qkv: [T, 3*H*D], the q, k, v projections before the conv (activation dtype); gate_raw: [T, H, D], the decay
     gate projection; beta_raw: [T, H], the beta logits; out_gate: [T, H, D], the output-norm gate;
     conv_pool: [slots, W-1, 3*H*D]; state_pool: [slots, H, D, D]; slots: [N] int64, distinct;
-    cu_seqlens: [N+1] int64; use_state: [N] bool, False where a sequence starts fresh (its slot, whatever it
-    holds, is read as zeros).
+    cu_seqlens: [N+1] int64, at least one token per sequence; use_state: [N] bool, False where a sequence starts
+    fresh (its slot, whatever it holds, is read as zeros).
     Returns o [T, H, D] in qkv's dtype (after the gated RMSNorm) and, with keep_token_states, the states after
     every token (the pools untouched); else None, with the final states written to the pools at `slots`.
     """

@@ -192,6 +192,11 @@ def bundled_as_k3(out: Path) -> Path:
     text["num_nextn_predict_layers"] = 0
     tensors = {name: t for name, t in read_tensors(BUNDLED_MODEL).items()
                if ".indexer." not in name and mtp_prefix not in name}
+    return write_checkpoint(out, raw, tensors)
+
+
+def write_checkpoint(out: Path, raw: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """config.json, one safetensors file and the bundled tokenizer in out (created)."""
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -220,12 +225,7 @@ def dense_copy(folder: Path, out: Path) -> Path:
             tensors[weight] = dequantize_mxfp4(t, packed[weight + "_scale"], torch.float32)
         elif not name.endswith(".weight_scale"):
             tensors[name] = t
-    out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in TOKENIZER_FILES:
-        shutil.copy(BUNDLED_MODEL / name, out / name)
-    return out
+    return write_checkpoint(out, raw, tensors)
 
 
 def convert(llama: LlamaCpp, folder: Path, gguf: Path) -> Path:

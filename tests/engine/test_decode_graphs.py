@@ -84,20 +84,17 @@ def cache_tensors(cache: HybridCache) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("preset,ops,compile", [("k3.1-tiny", "torch", None), ("kimi-linear-tiny", "torch", None),
-                                                ("k3.1-tiny", "triton", None), ("k3.1-tiny", "torch", "aot_eager")])
+@pytest.mark.parametrize("preset,ops", [("k3.1-tiny", "torch"), ("kimi-linear-tiny", "torch"),
+                                        ("k3.1-tiny", "triton")])
 @torch.inference_mode()
-def test_padded_graph_steps_equal_dynamic_steps(preset, ops, compile, restore_backends):
+def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
     """Padding (3 sequences in a graph of 4, then 2), slots and pages out of order, the page-table width bucket
     growing with the context: the same logits as dynamic steps on the torch reference ops, and the same cache
-    contents outside scratch; also with the steps traced by torch.compile into one graph each (aot_eager: the graph
-    inductor compiles on the CPU's fast path, run without generating code; tests/engine/test_compiled_decode.py
-    compiles it)."""
+    contents outside scratch."""
     model, _ = tiny_model(preset)
     dynamic_cache = prefilled_cache(model)
     static_cache = prefilled_cache(model)
-    graphs = DecodeGraphs(model, static_cache, page_table(), max_batch_size=8, scratch_slot=SLOTS - 1,
-                          compile=compile)
+    graphs = DecodeGraphs(model, static_cache, page_table(), max_batch_size=8, scratch_slot=SLOTS - 1)
     lengths = [len(p) for p in PROMPTS]
     tokens = [p[-1] for p in PROMPTS]
     expected_keys = set()
@@ -120,6 +117,28 @@ def test_padded_graph_steps_equal_dynamic_steps(preset, ops, compile, restore_ba
     assert set(graphs.steps) == expected_keys and len(expected_keys) >= 3
     for got, expected in zip(cache_tensors(static_cache), cache_tensors(dynamic_cache), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_the_traced_step_equals_the_eager_step(restore_backends):
+    """The static step as torch.compile traces it into one graph (aot_eager: the graph inductor compiles for
+    --enable-torch-compile, run without generating code; tests/engine/test_compiled_decode.py compiles it) gives the
+    eager step's logits and cache writes (K3.1: indexer, AttnRes, MXFP4 experts): 3 sequences padded to 4, whose 8
+    token-expert pairs run as the grouped custom op, then the first alone, whose 2 pairs run in the graph."""
+    backend.set_backend("torch")
+    model, _ = tiny_model("k3.1-tiny")                  # 8 experts, top 2
+    caches = [prefilled_cache(model), prefilled_cache(model)]
+    eager, traced = (DecodeGraphs(model, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1,
+                                  compile=compile) for cache, compile in zip(caches, (None, "aot_eager")))
+    ids, prefix = [1, 2, 3], [len(p) for p in PROMPTS]
+    for n in (3, 1):
+        expected = eager.run(ids[:n], prefix[:n], SEQ_SLOTS[:n], 4).clone()
+        got = traced.run(ids[:n], prefix[:n], SEQ_SLOTS[:n], 4)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        ids, prefix = expected.argmax(-1).tolist(), [p + 1 for p in prefix]
+    assert traced.forward is not traced._forward and set(traced.steps) == {(4, 4), (1, 4)}
+    for got, want in zip(cache_tensors(caches[1]), cache_tensors(caches[0]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 MAX_BS, MAX_PAGES = 12, 8               # captured sizes 1, 2, 4, 8, 12; up to 32 tokens a sequence

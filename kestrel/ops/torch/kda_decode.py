@@ -67,14 +67,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor, out_gate: torch.Tensor,
                params: KDALayerParams, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-               cu_seqlens: torch.Tensor, use_state: torch.Tensor, scale: float | None = None,
+               cu_seqlens: torch.Tensor | None, use_state: torch.Tensor, scale: float | None = None,
                keep_token_states: bool = False) -> tuple[torch.Tensor, TokenStates | None]:
     """KDA over a few new tokens per sequence, starting from the sequences' pooled states.
 
     qkv: [T, 3*H*D], the q, k, v projections before the conv (activation dtype); gate_raw: [T, H, D], the decay
     gate projection; beta_raw: [T, H], the beta logits; out_gate: [T, H, D], the output-norm gate;
     conv_pool: [slots, W-1, 3*H*D]; state_pool: [slots, H, D, D]; slots: [N] int64, distinct;
-    cu_seqlens: [N+1] int64, at least one token per sequence; use_state: [N] bool, False where a sequence starts
+    cu_seqlens: [N+1] int64, or None when every sequence brings exactly one token (a decode step: then nothing is
+    read back to the host, so the step traces into one graph); use_state: [N] bool, False where a sequence starts
     fresh (its slot, whatever it holds, is read as zeros).
     Returns o [T, H, D] in qkv's dtype (after the gated RMSNorm) and, with keep_token_states, the states after
     every token (the pools untouched); else None, with the final states written to the pools at `slots`.
@@ -84,7 +85,7 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     keep = use_state.view(-1, 1, 1)
     conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
     state = torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
-    one_each = num_tokens == slots.numel()      # one token per sequence: steps without host synchronisation
+    one_each = cu_seqlens is None
     if one_each:
         y, conv_final = causal_conv1d_step(qkv, params.conv_weight, conv_state)
     else:

@@ -131,12 +131,14 @@ def _kda_decode_kernel(qkv, gate_raw, beta_raw, out_gate, conv_weight, a_log, dt
 
 def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor, out_gate: torch.Tensor,
                params: KDALayerParams, conv_pool: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-               cu_seqlens: torch.Tensor, use_state: torch.Tensor, scale: float | None = None,
+               cu_seqlens: torch.Tensor | None, use_state: torch.Tensor, scale: float | None = None,
                keep_token_states: bool = False) -> tuple[torch.Tensor, TokenStates | None]:
     """Triton version of `kestrel.ops.torch.kda_decode.kda_decode` (see there for shapes and semantics).
 
     The pools must be contiguous. No host synchronisation, so the call can be captured in a CUDA graph.
     """
+    if cu_seqlens is None:                   # one token per sequence
+        cu_seqlens = torch.arange(slots.numel() + 1, device=qkv.device)
     num_tokens = qkv.shape[0]
     num_heads, head_dim = gate_raw.shape[1:]
     width = params.conv_weight.shape[1]

@@ -17,7 +17,7 @@ from helpers import tiny_model
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.ops.torch import kda_decode as reference
-from kestrel.ops.torch.kda_decode import KDALayerParams
+from kestrel.ops.torch.kda_decode import KDALayerParams, TokenStates
 from kestrel.ops.triton import kda_decode as kernel
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3}
@@ -56,7 +56,7 @@ def prefill_path(layer, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache
 
 
 @pytest.mark.parametrize("preset", ["kimi-linear-tiny", "k3-tiny"])
-@pytest.mark.parametrize("new_lens", [[1, 1, 1, 1], [3, 1, 0, 2]])
+@pytest.mark.parametrize("new_lens", [[1, 1, 1, 1], [3, 1, 0, 2], [2, 1, 0, 1]])   # the last: as many tokens as slots
 @torch.inference_mode()
 def test_reference_matches_the_prefill_path(preset: str, new_lens: list[int]) -> None:
     model, _ = tiny_model(preset)
@@ -140,6 +140,21 @@ def test_kernel_keeps_token_states(dtype: torch.dtype) -> None:
     assert torch.equal(states.conv, states_ref.conv)
     torch.testing.assert_close(conv, case["conv_pool"], rtol=0, atol=0, equal_nan=True)         # pools untouched
     torch.testing.assert_close(state, case["state_pool"], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("keep_token_states", [False, True])
+def test_one_token_each_needs_no_lengths(keep_token_states: bool) -> None:
+    """cu_seqlens=None (a decode step: one token per sequence, no lengths read back) gives what the lengths give."""
+    case = make_case([1, 1, 1, 1], torch.float32, lower_bound=-5.0)
+    for op in (reference.kda_decode, kernel.kda_decode):
+        expected = run(op, case, keep_token_states)
+        got = run(op, {**case, "cu_seqlens": None}, keep_token_states)
+        for a, b in zip(got, expected):
+            if isinstance(a, TokenStates):
+                a, b = torch.cat([a.conv.flatten(), a.recurrent.flatten()]), torch.cat([b.conv.flatten(),
+                                                                                        b.recurrent.flatten()])
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
 def test_token_states_end_where_the_plain_step_ends() -> None:

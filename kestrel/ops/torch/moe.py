@@ -86,9 +86,10 @@ class ExpertWeights:
     def num_experts(self) -> int:
         return self.w1.shape[0]
 
-    def dense(self, name: str, expert: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Weight `name` (w1, w3 or w2) in dtype: expert `expert`'s [out, in], or all experts' [E, out, in] when
-        expert is None. Dense weights already in dtype are returned in place (a view); MXFP4 ones are expanded."""
+    def dense(self, name: str, expert: int | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Weight `name` (w1, w3 or w2) in dtype: expert `expert`'s [out, in], the experts listed in an int64 tensor
+        [P] ([P, out, in]), or all experts' [E, out, in] when expert is None. Dense weights of one expert or all,
+        already in dtype, are returned in place (a view); MXFP4 ones are expanded."""
         weight = getattr(self, name)
         if not self.mxfp4:
             return (weight if expert is None else weight[expert]).to(dtype)
@@ -96,14 +97,6 @@ class ExpertWeights:
         if expert is not None:
             weight, scale = weight[expert], scale[expert]
         return expand_mxfp4(weight, scale, dtype)
-
-    def rows(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Weight `name` of each expert in experts [P] int64, [P, out, in] in dtype, read where it lies (a gather
-        that torch.compile fuses into the reader; eagerly a copy)."""
-        weight = getattr(self, name).index_select(0, experts)
-        if not self.mxfp4:
-            return weight.to(dtype)
-        return expand_mxfp4(weight, getattr(self, f"{name}_scale").index_select(0, experts), dtype)
 
 
 @dataclass(frozen=True)
@@ -171,9 +164,9 @@ def moe_experts_by_pairs(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     num_tokens, top_k = ids.shape
     expert = ids.flatten()                                                         # [P]
     x = z.repeat_interleave(top_k, 0)                                              # [P, D]: pair p's token
-    gate, up = ((experts.rows(name, expert, z.dtype) * x.unsqueeze(1)).sum(-1) for name in ("w1", "w3"))   # [P, I]
+    gate, up = ((experts.dense(name, expert, z.dtype) * x.unsqueeze(1)).sum(-1) for name in ("w1", "w3"))   # [P, I]
     h = activation(gate, up)
-    y = (experts.rows("w2", expert, z.dtype) * h.unsqueeze(1)).sum(-1)                                    # [P, D]
+    y = (experts.dense("w2", expert, z.dtype) * h.unsqueeze(1)).sum(-1)                                    # [P, D]
     return (y.float().view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1).to(z.dtype)
 
 

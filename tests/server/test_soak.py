@@ -1,4 +1,4 @@
-"""A bounded soak: a thousand seeded requests of every kind (valid, invalid, streamed, n > 1, stop strings, JSON
+"""A bounded soak: 400 seeded requests of every kind (valid, invalid, streamed, n > 1, stop strings, JSON
 mode, aborted streams, disconnects) against one server, which must answer each as asked and end holding nothing:
 no slot, page, request, stream or task left over, and its memory within a stated bound. `benchmarks/bench_soak.py`
 runs the long version (20,000 requests), kept out of `make test` for time."""
@@ -22,7 +22,7 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def test_a_thousand_mixed_requests_are_answered_and_leave_nothing_behind(model_folder):
+def test_400_mixed_requests_are_answered_and_leave_nothing_behind(model_folder):
     live = LiveServer(model_folder, page_size=4, max_running_requests=16)
     engine = live.engine
     try:
@@ -31,10 +31,10 @@ def test_a_thousand_mixed_requests_are_answered_and_leave_nothing_behind(model_f
         wait_until(lambda: engine.num_requests == 0, "the warm-up did not finish")
         tasks, rss = live.num_tasks(), rss_mib()
 
-        report = asyncio.run(soak(live.url, 1000, 16, VOCAB, seed=0))
+        report = asyncio.run(soak(live.url, 400, 16, VOCAB, seed=0))
         assert report.problems == []
-        assert report.answered + report.refused + report.abandoned == report.sent == 1000
-        assert min(report.answered, report.refused, report.abandoned) > 50       # every kind was exercised
+        assert report.answered + report.refused + report.abandoned == report.sent == 400
+        assert min(report.answered, report.refused, report.abandoned) > 40       # every kind was exercised
 
         scheduler = engine.engine.scheduler
         wait_until(lambda: engine.num_requests == 0 and not engine.engine.requests, "requests were left behind")

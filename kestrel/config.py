@@ -115,6 +115,12 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and self.num_experts > 0
 
+    def stream_width(self, layer: int) -> int:
+        """n of the residual stream [n, T, D] entering decoder layer `layer`: the AttnRes blocks finished before it
+        plus the running partial sum (1, the hidden states, without AttnRes)."""
+        size = self.attn_res_block_size
+        return 1 if size is None else -(-layer // size) + 1
+
     @property
     def kv_cache_dim(self) -> int:
         """Values cached per token per MLA layer: the normalised latent plus the shared key part (512 + 64)."""

@@ -18,7 +18,7 @@ from .calculator import (CacheSettings, balanced_ratio, kv_bytes_per_token_per_r
 from ..disagg.size import handoff_bytes
 from ..distributed.layout import ParallelLayout
 from ..engine.args import EngineArgs
-from ..engine.cache.planner import MemoryPlanError, plan_memory
+from ..engine.cache.planner import MemoryPlan, MemoryPlanError, plan_memory
 from .hardware import CPU, Device, catalog, get_device, local_cpu
 from .layout import Layout, NodeLayout, check_layout, node_layout
 from .model import DTYPES, KV_DTYPES, SSM_DTYPES, ModelFacts, model_facts
@@ -223,7 +223,7 @@ def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, sta
     stage's state per slot, as SGLang does (kv_cache_configurator._handle_max_mamba_cache)."""
     layout = request.layout
     if request.engine == "kestrel":
-        return _kestrel_pools(request, model, sum(stage_weights[0].values()), memory_per_rank, ratio)
+        return _kestrel_pools(request, model, [sum(w.values()) for w in stage_weights], memory_per_rank, ratio)
     stages = layout.stages(model.num_layers)
     budget = int(memory_per_rank * request.mem_fraction)
     # A model without KDA layers needs no state memory: one byte per slot stands for "free".
@@ -261,18 +261,32 @@ def check_kestrel_layout(request: PlanRequest, model: ModelFacts) -> ParallelLay
     return layout
 
 
-def _kestrel_pools(request: PlanRequest, model: ModelFacts, weight_bytes: int, memory_per_rank: int,
+def _kestrel_pools(request: PlanRequest, model: ModelFacts, stage_weight_bytes: list[int], memory_per_rank: int,
                    ratio: float) -> Pools:
     """The pools kestrel's engine allocates on each rank: its own planner (kestrel.engine.cache.planner) on the
-    rank's shard; S = 1 (a running request holds one state slot)."""
+    first rank of each pipeline stage (the heaviest of its stage) with that stage's layers, then, as the ranks
+    agree (engine.ranks.load_shard), the fewest slots and pages of any stage; S = 1 (a running request holds one
+    state slot)."""
     settings = request.cache
-    config = check_kestrel_layout(request, model).cache_config(model.config)
+    layout = check_kestrel_layout(request, model)
+    args = kestrel_args(request, ratio)
+
+    def stage_plan(stage: int, engine_args: EngineArgs) -> MemoryPlan:
+        config = layout.with_rank(layout.stage_rank(stage)).cache_config(model.config)
+        return plan_memory(config, engine_args, stage_weight_bytes[stage], memory_per_rank, DTYPES[model.dtype],
+                           SSM_DTYPES[settings.ssm_dtype], KV_DTYPES[settings.kv_dtype])
+
+    heaviest = max(stage_weight_bytes)
     try:
-        memory_plan = plan_memory(config, kestrel_args(request, ratio), weight_bytes, memory_per_rank,
-                                  DTYPES[model.dtype], SSM_DTYPES[settings.ssm_dtype], KV_DTYPES[settings.kv_dtype])
+        plans = [stage_plan(s, args) for s in range(layout.pp_size)]
+        if len(plans) > 1:
+            agreed = replace(args, max_mamba_cache_size=min(p.num_slots for p in plans),
+                             max_total_tokens=min(p.num_pages for p in plans) * args.page_size)
+            plans = [stage_plan(s, agreed) for s in range(layout.pp_size)]
     except MemoryPlanError:
-        return Pools(int(memory_per_rank * request.mem_fraction) - weight_bytes, 0, 0, 0)
-    return Pools(memory_plan.budget - weight_bytes, memory_plan.num_slots, memory_plan.kv_tokens,
+        return Pools(int(memory_per_rank * request.mem_fraction) - heaviest, 0, 0, 0)
+    memory_plan = plans[0]
+    return Pools(memory_plan.budget - heaviest, memory_plan.num_slots, memory_plan.kv_tokens,
                  memory_plan.max_running_requests)
 
 

@@ -1,8 +1,9 @@
 """Starting an instance's ranks and their process groups: spawned on this machine by rank 0 (and by each other
 node's first rank with --nnodes), or launched one process per rank by torchrun.
 
-Rank r of W runs on node r // (W / nnodes). Process groups: the tensor-parallel collectives run on the default
-group (NCCL on CUDA, gloo on the CPU, `timeout_s` per collective: a rank that stops answering fails the step);
+Rank r of W runs on node r // (W / nnodes). Process groups: the tensor-parallel collectives run on each pipeline
+stage's TP group, the stages' sends on the default group (NCCL on CUDA, gloo on the CPU, `timeout_s` per
+collective: a rank that stops answering fails the step);
 the step messages rank 0 sends go through a gloo group without a practical timeout, so idle ranks wait for work.
 A rank whose peer dies gets an error at once (gloo and NCCL see the closed connection), so nothing hangs.
 """
@@ -87,8 +88,9 @@ def rank_device(device: str, local_rank: int) -> torch.device:
 
 def init_process_groups(spec: RankSpec, layout: ParallelLayout, device: torch.device,
                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> tuple[Parallel, dist.ProcessGroup]:
-    """Join the instance: (the layers' Parallel over the TP group, the gloo group for step messages). Ranks that
-    share a GPU (NCCL refuses two ranks on one device) run their collectives through gloo, via host memory."""
+    """Join the instance: (the layers' Parallel over this rank's TP group, the gloo group for step messages).
+    Ranks that share a GPU (NCCL refuses two ranks on one device) run their collectives through gloo, via host
+    memory."""
     shared_gpu = device.type == "cuda" and torch.cuda.device_count() < (spec.node_ranks or spec.world_size)
     backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
     if device.type == "cuda":
@@ -96,7 +98,19 @@ def init_process_groups(spec: RankSpec, layout: ParallelLayout, device: torch.de
     dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.world_size, rank=spec.rank,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Parallel(layout, dist.group.WORLD, via_host=shared_gpu), control
+    return Parallel(layout, tp_group(layout), via_host=shared_gpu), control
+
+
+def tp_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
+    """The TP group of this rank's pipeline stage: None for one rank, the default group for one stage (every rank
+    calls this together: each stage's group is created on all ranks)."""
+    if layout.tp_size == 1:
+        return None
+    if layout.pp_size == 1:
+        return dist.group.WORLD
+    groups = [dist.new_group([layout.with_rank(0).stage_rank(s) + r for r in range(layout.tp_size)])
+              for s in range(layout.pp_size)]
+    return groups[layout.pp_rank]
 
 
 class Workers:

@@ -1,14 +1,18 @@
-"""Which rank does what: the rank layout of one model replica (TP, and EP over the TP ranks, SGLang's semantics).
+"""Which rank does what: the rank layout of one model replica (pipeline stages of TP groups, and EP over each TP
+group's ranks, SGLang's semantics).
 
-A replica runs on `world_size` ranks. Attention, dense MLPs, shared experts and the vocabulary are split
-`tp_size` ways. Routed experts are split over the same ranks in two directions: `ep_size` groups of whole experts
-(ep_size divides tp_size), and inside each group every expert's intermediate width is split
-`moe_tp_size = tp_size / ep_size` ways:
+A replica runs on `world_size = pp_size * tp_size` ranks. The decoder layers are cut into `pp_size` contiguous
+stages (stage s holds layers [s * L // pp_size, (s + 1) * L // pp_size), the embedding on the first stage, the
+final norm, LM head and MTP layers on the last). Within a stage, attention, dense MLPs, shared experts and the
+vocabulary are split `tp_size` ways. Routed experts are split over the same ranks in two directions: `ep_size`
+groups of whole experts (ep_size divides tp_size), and inside each group every expert's intermediate width is
+split `moe_tp_size = tp_size / ep_size` ways:
 
-    rank r: tp_rank = r, ep_rank = r // moe_tp_size, moe_tp_rank = r % moe_tp_size
+    rank r: pp_rank = r // tp_size, tp_rank = r % tp_size, ep_rank = tp_rank // moe_tp_size,
+            moe_tp_rank = tp_rank % moe_tp_size
 
-Data-parallel attention, decode context parallelism and pipeline stages are not implemented; `from_args`
-refuses them (their ranks would extend this layout, with the TP group as the innermost axis).
+Data-parallel attention and decode context parallelism are not implemented; `from_args` refuses them (their ranks
+would extend this layout, with the TP group as the innermost axis).
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ class ParallelLayout:
     tp_size: int = 1
     ep_size: int = 1
     rank: int = 0
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): expert parallelism "
                              "runs over the tensor-parallel ranks.")
+        if self.pp_size < 1:
+            raise ValueError(f"pp_size must be at least 1, got {self.pp_size}.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a layout of {self.world_size} ranks.")
 
@@ -41,26 +48,52 @@ class ParallelLayout:
     def from_args(cls, args, rank: int = 0) -> ParallelLayout:
         """The layout EngineArgs ask for; a ValueError for the parallelism kestrel does not implement yet."""
         refused = [(args.dp_size > 1, "dp_size > 1"), (args.enable_dp_attention, "enable_dp_attention"),
-                   (args.dcp_size > 1, "dcp_size > 1"), (args.pp_size > 1, "pp_size > 1")]
+                   (args.dcp_size > 1, "dcp_size > 1")]
         for bad, what in refused:
             if bad:
-                raise ValueError(f"{what} is not supported yet; kestrel runs tensor and expert parallelism "
-                                 "(--tp-size, --ep-size).")
-        layout = cls(args.tp_size, args.ep_size, rank)
+                raise ValueError(f"{what} is not supported yet; kestrel runs tensor, expert and pipeline "
+                                 "parallelism (--tp-size, --ep-size, --pp-size).")
+        if args.pp_size > 1 and args.speculative_algorithm != "none":
+            raise ValueError("speculative decoding does not run over pipeline stages yet; drop --pp-size or "
+                             "--speculative-algorithm.")
+        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size)
         if layout.world_size % args.nnodes:
             raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "
-                             "--tp-size a multiple of --nnodes.")
+                             "--tp-size x --pp-size a multiple of --nnodes.")
         if args.nnodes > 1 and not args.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (where rank 0 listens).")
         return layout
 
     @property
     def world_size(self) -> int:
-        return self.tp_size
+        return self.tp_size * self.pp_size
 
     @property
     def tp_rank(self) -> int:
-        return self.rank
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank // self.tp_size
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank of stage `stage` that has this rank's place in its TP group (where activations go and come
+        from between stages)."""
+        return stage * self.tp_size + self.tp_rank
+
+    def stage_layers(self, num_layers: int, stage: int | None = None) -> range:
+        """The decoder layers of pipeline stage `stage` (this rank's by default), as the cookbook cuts them."""
+        s = self.pp_rank if stage is None else stage
+        return range(s * num_layers // self.pp_size, (s + 1) * num_layers // self.pp_size)
 
     @property
     def moe_tp_size(self) -> int:
@@ -103,10 +136,17 @@ class ParallelLayout:
         if problems:
             raise ValueError(f"tp_size {tp} cannot split this model's {', '.join(problems)}; choose sizes that "
                              "divide them.")
+        if self.pp_size > config.num_hidden_layers:
+            raise ValueError(f"pp_size {self.pp_size} exceeds the model's {config.num_hidden_layers} layers.")
 
     def cache_config(self, config: ModelConfig) -> ModelConfig:
-        """The config whose caches one rank holds: its KDA heads' state (MLA latents are replicated under TP)."""
-        return dataclasses.replace(config, kda_num_heads=config.kda_num_heads // self.tp_size)
+        """The config whose caches one rank holds: its stage's layers (the MTP layers on the last stage only), its
+        KDA heads' state (MLA latents are replicated under TP)."""
+        layers = self.stage_layers(config.num_hidden_layers)
+        return dataclasses.replace(config, kda_num_heads=config.kda_num_heads // self.tp_size,
+                                   num_hidden_layers=len(layers),
+                                   layer_types=config.layer_types[layers.start:layers.stop],
+                                   num_nextn_predict_layers=config.num_nextn_predict_layers if self.last_stage else 0)
 
 
 def partition(length: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:

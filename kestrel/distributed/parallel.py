@@ -15,12 +15,12 @@ from .layout import ParallelLayout
 
 
 class Parallel:
-    """The layout and the TP group (None in one process)."""
+    """The layout and the TP group of this rank's stage (None when it has one rank)."""
 
     def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None,
                  via_host: bool = False):
-        if layout.world_size > 1 and group is None:
-            raise ValueError("a layout of more than one rank needs its process group.")
+        if layout.tp_size > 1 and group is None:
+            raise ValueError("a tensor-parallel layout needs its process group.")
         self.layout = layout
         self.group = group
         self.via_host = via_host      # GPU tensors go through host memory (gloo between ranks sharing a GPU)

@@ -9,6 +9,9 @@ and activations of `act_bytes`, on TP > 1 ranks; every rank contributes:
   shared experts' T x hidden; per indexer layer the N x L x S fp32 partial scores. Expert parallelism changes none
   of it: routed partials join the same all-reduce (no all-to-all dispatch).
 - all_gather: R x ceil(vocab / TP) fp32 logits.
+Between pipeline stages (pp_traffic), each rank of a stage sends the next stage's rank in its place the residual
+stream entering that stage's first layer (with AttnRes, every block summary finished so far plus the partial sum),
+T x hidden each; the last stage's first TP rank sends rank 0 the R x vocab fp32 logits.
 Decode context parallelism is not implemented; `dcp_traffic` is the analytic count of the SGLang-style exchange
 (queries all-gathered over the DCP group, partial outputs with their log-sum-exp reduce-scattered back).
 A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n.
@@ -63,6 +66,14 @@ def tp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int) -
               if config.has_indexer else 0)
     logits = forward.logit_rows * -(-config.vocab_size // tp) * LOGIT_BYTES
     return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
+
+
+def pp_traffic(config: ModelConfig, next_layer: int | None, forward: Forward, act_bytes: int) -> dict[str, int]:
+    """Bytes a rank sends the next pipeline stage, whose first layer is next_layer, in one forward; None: from the
+    last stage's first TP rank, the logits to rank 0."""
+    if next_layer is None:
+        return {"logits": forward.logit_rows * config.vocab_size * LOGIT_BYTES}
+    return {"stream": config.stream_width(next_layer) * forward.tokens * config.hidden_size * act_bytes}
 
 
 def dcp_traffic(config: ModelConfig, tp: int, dcp: int, forward: Forward, act_bytes: int) -> dict[str, int]:

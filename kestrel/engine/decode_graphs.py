@@ -69,7 +69,7 @@ class DecodeGraphs:
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, max_batch_size: int,
                  scratch_slot: int, capture: bool | None = None, compile: str | None = None):
         self.model, self.cache, self.page_table = model, cache, page_table
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.sizes = batch_sizes(max_batch_size)
         self.scratch_slot = scratch_slot
         self.capture = self.device.type == "cuda" if capture is None else capture

@@ -2,7 +2,9 @@
 
 With several ranks, rank 0's runner turns the scheduled chunks into a `Step` (plain data: the cache copies and
 page-table changes since the last step, then the batch) and sends it to the other ranks, whose runners `execute`
-the same Step on their model shards; every rank ends with the full logits.
+the same Step on their model shards; every rank of one stage ends with the full logits. With pipeline stages the
+step runs as micro-batches that flow from stage to stage (kestrel.distributed.pipeline), and the last stage sends
+the logits to rank 0.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from ..distributed.pipeline import StageLink, micro_batches
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
@@ -64,11 +67,13 @@ class ModelRunner:
         self.cache = cache
         self.page_table = page_table
         self.ops = ops
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.decode_graphs = decode_graphs
         self.peers = peers
         self.failure: str | None = None
         self.hidden: torch.Tensor | None = None
+        par = model.par
+        self.link = StageLink(par.layout, par.via_host) if par.layout.pp_size > 1 else None
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], all_rows: set[int], verify: bool = False) -> list[torch.Tensor | None]:
@@ -99,25 +104,74 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: Step) -> list[torch.Tensor | None]:
-        """Run step on this rank's model (see run for what comes back)."""
+        """Run step on this rank's model (see run for what comes back; under pipeline parallelism only rank 0
+        gets logits)."""
         self._apply_changes(step)
-        slots = torch.tensor(step.slots, device=self.device)
-        batch = ForwardBatch.build(step.lengths, step.starts, slots, self.page_table.gather(slots, step.width),
-                                   self.cache.page_size, self.device, keep_token_states=step.verify)
+        if self.link is not None:
+            return self._execute_stages(step)
+        batch = self._batch(step, range(len(step.lengths)))
         hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         self.hidden = hidden                  # [T, D]: what a model drafter reads after the step
-        ends = batch.cu_seqlens[1:].tolist()
-        all_rows = set(step.all_rows)
-        wanted = sorted(all_rows | set(step.samples))
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
-        if not wanted:
-            return out
-        rows = [torch.arange(ends[i] - step.lengths[i] if i in all_rows else ends[i] - 1, ends[i],
-                             device=self.device) for i in wanted]
-        logits = self.model.compute_logits(hidden[torch.cat(rows)]).split([len(r) for r in rows])
-        for i, chunk_logits in zip(wanted, logits):
-            out[i] = chunk_logits
+        rows = self._logit_rows(step, range(len(step.lengths)))
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.cat(list(rows.values()))])
+            for i, chunk_logits in zip(rows, logits.split([len(r) for r in rows.values()])):
+                out[i] = chunk_logits
         return out
+
+    def _execute_stages(self, step: Step) -> list[torch.Tensor | None]:
+        """This stage's share of step, micro-batch by micro-batch: the first stage embeds, the others receive the
+        stream from the previous stage; all but the last send theirs on; the last computes the logits, which its
+        first TP rank sends to rank 0. Rank 0 returns them (the other ranks, Nones)."""
+        model, link, layout = self.model.model, self.link, self.link.layout
+        out: list[torch.Tensor | None] = [None] * len(step.lengths)
+        parts = micro_batches(step.lengths, layout.pp_size)
+        firsts = [0] + torch.tensor(step.lengths).cumsum(0).tolist()      # each chunk's first token in the step
+        for m, chunks in enumerate(parts):
+            batch = self._batch(step, chunks)
+            first = firsts[chunks.start]
+            if layout.first_stage:
+                stream = model.start(torch.tensor(step.token_ids[first:firsts[chunks.stop]], device=self.device))
+            else:
+                config = self.model.config
+                shape = (config.stream_width(model.stage.start), batch.num_tokens, config.hidden_size)
+                stream = link.recv_prev(shape, self.model.dtype, self.device, m)
+            stream = model.run_layers(stream, batch, self.cache)
+            if not layout.last_stage:
+                link.send_next(stream, m)
+                continue
+            rows = self._logit_rows(step, chunks)
+            if rows:       # every TP rank of the stage computes them (the vocabulary is gathered), the first sends
+                logits = self.model.compute_logits(model.finish(stream)[torch.cat(list(rows.values())) - first])
+                if layout.tp_rank == 0:
+                    link.send_logits(logits, m)
+        link.wait()
+        if layout.rank == 0:
+            for m, chunks in enumerate(parts):
+                rows = self._logit_rows(step, chunks)
+                if rows:
+                    logits = link.recv_logits(sum(len(r) for r in rows.values()), self.model.config.vocab_size,
+                                              self.device, m)
+                    for i, chunk_logits in zip(rows, logits.split([len(r) for r in rows.values()])):
+                        out[i] = chunk_logits
+        return out
+
+    def _batch(self, step: Step, chunks: range) -> ForwardBatch:
+        """The ForwardBatch of step's chunks (a contiguous run of them)."""
+        slots = torch.tensor(step.slots[chunks.start:chunks.stop], device=self.device)
+        return ForwardBatch.build(step.lengths[chunks.start:chunks.stop], step.starts[chunks.start:chunks.stop],
+                                  slots, self.page_table.gather(slots, step.width), self.cache.page_size,
+                                  self.device, keep_token_states=step.verify)
+
+    def _logit_rows(self, step: Step, chunks: range) -> dict[int, torch.Tensor]:
+        """Chunk index -> the rows of step's tokens whose logits it needs (every position for all_rows, the last
+        for samples), for the chunks that need any, in order."""
+        ends = torch.tensor(step.lengths).cumsum(0).tolist()
+        all_rows, samples = set(step.all_rows), set(step.samples)
+        return {i: torch.arange(ends[i] - step.lengths[i] if i in all_rows else ends[i] - 1, ends[i],
+                                device=self.device)
+                for i in chunks if i in all_rows or i in samples}
 
     def _apply_changes(self, step: Step) -> None:
         apply_ops(self.cache, step.ops)

@@ -62,7 +62,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)
     dense_experts = _hold_dense_experts(model, args, device)
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
     weights = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}

@@ -9,7 +9,7 @@ Vision weights of the multimodal checkpoints are skipped: kestrel serves the tex
 
 A tensor-parallel rank loads only its share: the sharding rules (kestrel.distributed.sharding) give the model its
 per-rank shapes and name the slice of each checkpoint tensor to read (routed experts outside the rank's EP group
-are not read at all).
+are not read at all); a pipeline stage reads only its own layers' tensors.
 """
 
 from __future__ import annotations
@@ -98,9 +98,13 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch
     if not config.index_k_norm_bias and any(n.endswith("indexer.k_norm.bias") for n in headers):
         config = dataclasses.replace(config, index_k_norm_bias=True)   # the checkpoint decides (config.py)
     par.layout.check_model(config)
-    model = build_model(config, dtype or _config_dtype(folder), device="meta", par=par)
-    layout = checkpoint_layout(model)
-    targets = _match(headers, layout, config.kda_num_heads)
+    dtype = dtype or _config_dtype(folder)
+    model = build_model(config, dtype, device="meta", par=par)
+    whole = model if par.layout.pp_size == 1 else build_model(config, dtype, device="meta")
+    targets = _match(headers, checkpoint_layout(whole), config.kda_num_heads)    # the whole checkpoint is checked
+    if whole is not model:            # a pipeline stage reads its own layers' tensors only
+        held = model.state_dict(keep_vars=True)
+        targets = {name: target for name, target in targets.items() if target.param in held}
     full_shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     shard_model_(model, par.layout)
     model.to_empty(device=device)

@@ -13,6 +13,15 @@ so the engine can run prefill chunks and decode steps of many requests in one ca
 Built with a `Parallel` of more than one rank, the modules are those of one tensor-parallel rank: they are
 constructed at full size and take their per-rank shapes from kestrel.distributed.sharding before the weights load
 (models/checkpoint.py does both); compute_logits then returns the full vocabulary's logits on every rank.
+
+Under pipeline parallelism a rank builds only its stage's layers (the others are `AbsentLayer`s, so every layer
+keeps its checkpoint name and index), the embedding on the first stage, the final norm, LM head and MTP layers on
+the last. A stage runs `run_layers` on the residual stream [n, T, D] it receives: the AttnRes block summaries
+finished so far and the running partial sum (n = 1, the hidden states, without AttnRes), so
+
+    hidden = model.model.finish(model.model.run_layers(model.model.start(input_ids), batch, cache))
+
+is the whole forward, cut anywhere between layers.
 """
 
 from __future__ import annotations
@@ -108,53 +117,85 @@ class MTPLayer(DecoderLayer):
         return gather_vocab(self.shared_head.head(self.shared_head.norm(x)), self.vocab_size, self.par)
 
 
+class AbsentLayer(nn.Module):
+    """A decoder layer another pipeline stage holds (no weights here)."""
+
+
 class KimiTextModel(nn.Module):
-    """`model.*`: embeddings, the decoder layers (MTP layers last), final norm, AttnRes output mix."""
+    """`model.*`: embeddings, the decoder layers (MTP layers last), final norm, AttnRes output mix; under pipeline
+    parallelism only those of par's stage (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
         super().__init__()
         self.config = config
+        layout = par.layout
+        self.stage = layout.stage_layers(config.num_hidden_layers)
+        self.first_stage, self.last_stage = layout.first_stage, layout.last_stage
         d = config.hidden_size
         attn_res = config.attn_res_block_size is not None
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, par)
+        if self.first_stage or (self.last_stage and config.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, par)
         layers: list[nn.Module] = []
-        counts = {KDA: 0, MLA: 0}
+        counts = {KDA: 0, MLA: 0}           # the stage's own caches: cache indices count its layers only
         for i, kind in enumerate(config.layer_types):
+            if i not in self.stage:
+                layers.append(AbsentLayer())
+                continue
             layers.append(DecoderLayer(config, i, kind, counts[kind], attn_res, config.has_indexer, par))
             counts[kind] += 1
-        for j in range(config.num_nextn_predict_layers):
-            layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j, par))
+        if self.last_stage:
+            for j in range(config.num_nextn_predict_layers):
+                layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j, par))
+            self.norm = RMSNorm(d, config.rms_norm_eps)
+            if attn_res:
+                self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
+                self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(d, config.rms_norm_eps)
-        if attn_res:
-            self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
-            self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
-        return list(self.layers[: self.config.num_hidden_layers])
+        """This stage's decoder layers (all of them in one stage)."""
+        return [self.layers[i] for i in self.stage]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        """The whole decoder (one stage): input_ids [T] -> pre-final-norm hidden states [T, D]."""
+        return self.finish(self.run_layers(self.start(input_ids), batch, cache))
+
+    def start(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering layer 0 [1, T, D]: the embedding."""
+        return self.embed_tokens(input_ids).unsqueeze(0)
+
+    def run_layers(self, stream: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+        """This stage's layers: the stream entering its first layer -> the stream leaving its last."""
         if self.config.attn_res_block_size is None:
+            x = stream[0]
             for layer in self.decoder_layers:
                 x = layer(x, batch, cache)
-            return x
-        return self._forward_attn_res(x, batch, cache)
+            return x.unsqueeze(0)
+        return self._run_attn_res(stream, batch, cache)
 
-    def _forward_attn_res(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+    def finish(self, stream: torch.Tensor) -> torch.Tensor:
+        """The last stage: the stream leaving the last layer -> hidden states [T, D] (normed by compute_logits;
+        with AttnRes, the output mix of every block)."""
+        if self.config.attn_res_block_size is None:
+            return stream[0]
+        mix = backend.get_op("attn_res_mix_norm", stream.device)
+        norm, proj = self.output_attn_res_norm, self.output_attn_res_proj
+        return mix(stream, norm.weight, proj.weight[0], norm.eps, None, 0.0)
+
+    def _run_attn_res(self, stream: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
         """AttnRes stream: `blocks` holds snapshots (the embedding, then each finished block's sum of sublayer
         outputs); `partial` is the running sum of the current block. Each sublayer reads a softmax mix of both."""
-        mix = backend.get_op("attn_res_mix_norm", x.device)
+        mix = backend.get_op("attn_res_mix_norm", stream.device)
 
-        def mixed(mix_norm: RMSNorm, proj: nn.Linear, next_norm: RMSNorm | None) -> torch.Tensor:
-            """The softmax mix of blocks + [partial], RMSNormed by next_norm unless it is None (one fused op)."""
+        def mixed(mix_norm: RMSNorm, proj: nn.Linear, next_norm: RMSNorm) -> torch.Tensor:
+            """The softmax mix of blocks + [partial], RMSNormed by next_norm (one fused op)."""
             return mix(torch.stack(blocks + [partial]), mix_norm.weight, proj.weight[0], mix_norm.eps,
-                       None if next_norm is None else next_norm.weight, 0.0 if next_norm is None else next_norm.eps)
+                       next_norm.weight, next_norm.eps)
 
-        blocks: list[torch.Tensor] = []
-        partial = x
-        for i, layer in enumerate(self.decoder_layers):
+        *blocks, partial = stream.unbind(0)
+        for i in self.stage:
+            layer = self.layers[i]
             if blocks:
                 h = mixed(layer.self_attention_res_norm, layer.self_attention_res_proj, layer.input_layernorm)
             else:
@@ -164,7 +205,7 @@ class KimiTextModel(nn.Module):
                 partial = torch.zeros_like(partial)
             partial = partial + layer.self_attn(h, batch, cache)
             partial = partial + layer.ffn(mixed(layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm))
-        return mixed(self.output_attn_res_norm, self.output_attn_res_proj, None)   # normed per row by compute_logits
+        return torch.stack(blocks + [partial])
 
 
 class KimiForCausalLM(nn.Module):
@@ -175,9 +216,10 @@ class KimiForCausalLM(nn.Module):
         self.config = config
         self.par = par
         self.model = KimiTextModel(config, par)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.last_stage:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None) -> torch.Tensor:
         """input_ids [T] (the new tokens of batch's sequences) -> pre-final-norm hidden states [T, D].
@@ -196,6 +238,15 @@ class KimiForCausalLM(nn.Module):
     @property
     def mtp_layers(self) -> list[MTPLayer]:
         return list(self.model.layers[self.config.num_hidden_layers:])
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device if self.model.last_stage else self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the model's; a few parameters stay fp32)."""
+        return self.model.layers[self.model.stage.start].input_layernorm.weight.dtype
 
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
                    cache: HybridCache | None = None, depth: int = 0) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""kestrel.LLM with tp_size=2 (one spawned rank process, gloo): greedy tokens equal one process's; a rank that dies
-fails the requests with an error naming it, every later step fails at once, and no process is left."""
+"""kestrel.LLM with tp_size=2 or pp_size=2 (one spawned rank process, gloo): greedy tokens equal one process's; a
+rank that dies fails the requests with an error naming it, every later step fails at once, and no process is
+left."""
 
 from __future__ import annotations
 
@@ -22,10 +23,29 @@ def tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_tp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests():
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    return tokens(LLM(str(BUNDLED_MODEL), **ARGS))
+
+
+def test_pp2_greedy_tokens_equal_one_process(expected):
+    """Two pipeline stages of the bundled model (layers 0-2, all KDA, then 3-5 with both MLA layers, the LM head
+    and the MTP layer), each step in two micro-batches, n > 1 sharing a prompt's pages and state."""
+    llm = LLM(str(BUNDLED_MODEL), pp_size=2, **ARGS)
+    try:
+        assert tokens(llm) == expected
+        twins = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))
+        assert [o.token_ids for o in twins[0].outputs] == [expected[1]] * 2
+        assert llm.engine.scheduler.state_pool.num_slots == 8
+        assert (len(llm.engine.cache.kda), len(llm.engine.cache.mla)) == (3, 0)      # rank 0: the first stage
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_tp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests(expected):
     """The bundled model (its MXFP4 experts' 96-wide intermediate split 64 + 32 at TP2), mixed-length prompts
     with chunked prefill, then decode; then SIGKILL the spawned rank (one group for both, to keep the suite short)."""
-    expected = tokens(LLM(str(BUNDLED_MODEL), **ARGS))
     llm = LLM(str(BUNDLED_MODEL), tp_size=2, **ARGS)
     worker = llm.engine.ranks.workers.processes[0]
     try:

@@ -1,10 +1,11 @@
-"""Logits of tensor- and expert-parallel ranks (gloo, 2 processes) equal the single-process model's (float32), and
-the pools every rank allocates are what `kestrel plan --engine kestrel` says for that layout.
+"""Logits of tensor-, expert- and pipeline-parallel ranks (gloo, 2 and 4 processes) equal the single-process
+model's (float32), and the pools every rank allocates are what `kestrel plan --engine kestrel` says for that layout.
 
-One spawned group per module runs every case: K3.1-tiny (indexer, AttnRes, latent MXFP4 MoE, MTP) and a
-Kimi-Linear-shaped model, at TP2 (experts split by intermediate width) and TP2 with EP2 (experts split by expert),
-through the scripted steps of tp_script.py: mixed-length chunked prefill, decode, and a fork whose state slot and
-page are copied by the DeviceOps journal; then the engine's load_shard plans and allocates each case's pools.
+One spawned group per world size runs its cases: K3.1-tiny (indexer, AttnRes, latent MXFP4 MoE, MTP) and a
+Kimi-Linear-shaped model, at TP2 (experts split by intermediate width), TP2 with EP2 (experts split by expert) and
+PP2 (K3.1's first stage has no MLA layer, its AttnRes blocks cross the cut), and K3.1 at TP2 x PP2, through the
+scripted steps of tp_script.py: mixed-length chunked prefill, decode, and a fork whose state slot and page are
+copied by the DeviceOps journal; then the engine's load_shard plans and allocates each case's pools.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kestrel.cookbook.calculator import CacheSettings
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.planner import PlanRequest, plan
 from kestrel.distributed.launch import RankSpec, Workers
-from kestrel.distributed.traffic import tp_traffic
+from kestrel.distributed.traffic import pp_traffic, tp_traffic
 from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
@@ -29,7 +30,8 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 absolute; dropping the indexer's score reduction moves logits by 2.1)."""
 MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXFP4 blocks: one per rank at TP2
           "kimi-linear": ("kimi-linear-tiny", {})}
-CASES = [("k3.1", 2, 1), ("k3.1", 2, 2), ("kimi-linear", 2, 1), ("kimi-linear", 2, 2)]
+CASES = [("k3.1", 2, 1, 1), ("k3.1", 2, 2, 1), ("kimi-linear", 2, 1, 1), ("kimi-linear", 2, 2, 1),
+         ("k3.1", 1, 1, 2), ("kimi-linear", 1, 1, 2), ("k3.1", 2, 1, 2)]     # (model, tp, ep, pp)
 RANK_TIMEOUT_S = 240
 POOL_BUDGET = 256 * 2**20
 """Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
@@ -52,63 +54,84 @@ def folders(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def pool_fraction() -> float:
-    """--mem-fraction-static that gives each of 2 CPU ranks POOL_BUDGET (the ranks split the machine's memory)."""
-    return POOL_BUDGET / (device_memory(torch.device("cpu")) // 2)
+def pool_fraction(ranks: int) -> float:
+    """--mem-fraction-static that gives each of `ranks` CPU ranks POOL_BUDGET (the ranks split the machine's
+    memory)."""
+    return POOL_BUDGET / (device_memory(torch.device("cpu")) // ranks)
+
+
+def case_name(model: str, tp: int, ep: int, pp: int) -> str:
+    return f"{model}-tp{tp}-ep{ep}-pp{pp}"
 
 
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
-    """Every case's logits and every rank's pools, from one spawned 2-rank group."""
-    out = tmp_path_factory.mktemp("ranks") / "logits.pt"
-    cases = [(f"{model}-tp{tp}-ep{ep}", folders[model], tp, ep) for model, tp, ep in CASES]
-    port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
-    specs = [RankSpec(r, 2, r, f"tcp://127.0.0.1:{port}", True) for r in range(2)]
-    pool_args = dict(dtype="float32", mem_fraction_static=pool_fraction(), mamba_full_memory_ratio=RATIO)
-    workers = Workers(rank_main, specs, cases, str(out), pool_args)
-    try:
-        for p in workers.processes:
-            p.join(RANK_TIMEOUT_S)
-        assert [p.exitcode for p in workers.processes] == [0, 0], workers.failures()
-    finally:
-        workers.stop(timeout=0)
-    return torch.load(out)
+    """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks)."""
+    results = {}
+    for world in sorted({tp * pp for _, tp, _, pp in CASES}):
+        out = tmp_path_factory.mktemp("ranks") / "logits.pt"
+        cases = [(case_name(*case), folders[case[0]], *case[1:]) for case in CASES if case[1] * case[3] == world]
+        port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
+        specs = [RankSpec(r, world, r, f"tcp://127.0.0.1:{port}", True) for r in range(world)]
+        pool_args = dict(dtype="float32", mem_fraction_static=pool_fraction(world), mamba_full_memory_ratio=RATIO)
+        workers = Workers(rank_main, specs, cases, str(out), pool_args)
+        try:
+            for p in workers.processes:
+                p.join(RANK_TIMEOUT_S)
+            assert [p.exitcode for p in workers.processes] == [0] * world, workers.failures()
+        finally:
+            workers.stop(timeout=0)
+        results |= torch.load(out)
+    return results
 
 
-@pytest.mark.parametrize("model,tp,ep", CASES)
-def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep):
+@pytest.mark.parametrize("model,tp,ep,pp", CASES)
+def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp):
     single = load_model(folders[model], torch.float32)
     expected = oracle(single)
-    got = rank_results[f"{model}-tp{tp}-ep{ep}"]
+    got = rank_results[case_name(model, tp, ep, pp)]
     for name in SEQUENCES:
         first = FORK_AT if name == "D" else 0          # the fork's own tokens (its prompt is B's)
         torch.testing.assert_close(got[name], expected[name][first:], **TOLERANCE,
                                    msg=lambda m, name=name: f"sequence {name}: {m}")
-    if single.config.num_nextn_predict_layers:
+    if single.config.num_nextn_predict_layers and pp == 1:
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
 
 
-@pytest.mark.parametrize("model,tp,ep", CASES)
-def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep):
-    """`kestrel plan --engine kestrel` plans rank 0, the heaviest (uneven splits give the first rank more): its
-    weights, and the pools all ranks agree on and allocate."""
-    planned = plan(PlanRequest(model=folders[model], hardware="cpu", dtype="fp32", layout=Layout(tp=tp, ep=ep),
-                               cache=CacheSettings(kv_dtype="fp32"), mem_fraction=pool_fraction(), ratio=RATIO,
-                               engine="kestrel", batches=(1,), compare_devices=False))
-    ranks = rank_results[f"{model}-tp{tp}-ep{ep}"]["pools"]
-    assert ranks[0]["weight_bytes"] == planned.weight_bytes_per_rank_total
-    assert all(rank["weight_bytes"] <= ranks[0]["weight_bytes"] for rank in ranks)
+@pytest.mark.parametrize("model,tp,ep,pp", CASES)
+def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp):
+    """`kestrel plan --engine kestrel` plans each stage's rank 0, the heaviest of its stage (uneven splits give
+    the first rank more): the heaviest rank's weights, and the pools all ranks agree on; each rank allocates them
+    for its own stage's layers only."""
+    planned = plan(PlanRequest(model=folders[model], hardware="cpu", dtype="fp32",
+                               layout=Layout(tp=tp, ep=ep, pp=pp), cache=CacheSettings(kv_dtype="fp32"),
+                               mem_fraction=pool_fraction(tp * pp), ratio=RATIO, engine="kestrel", batches=(1,),
+                               compare_devices=False))
+    ranks = rank_results[case_name(model, tp, ep, pp)]["pools"]
+    assert max(rank["weight_bytes"] for rank in ranks) == planned.weight_bytes_per_rank_total
+    slots, kv_tokens = planned.pools.state_slots, planned.pools.kv_tokens
     for rank in ranks:
-        assert (rank["slots"], rank["kv_tokens"]) == (planned.pools.state_slots, planned.pools.kv_tokens)
-        assert (rank["plan_slots"], rank["plan_kv_tokens"]) == (rank["slots"], rank["kv_tokens"])
-
-
-@pytest.mark.parametrize("model,tp,ep", CASES)
-def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep):
-    """Parallel.bytes_sent over the scripted steps equals kestrel/distributed/traffic.py (float32 activations)."""
+        assert (rank["plan_slots"], rank["plan_kv_tokens"], rank["table_rows"]) == (slots, kv_tokens, slots)
+        assert set(rank["slots"]) <= {slots} and set(rank["kv_tokens"]) <= {kv_tokens}
     config = load_config(folders[model])
-    expected = {"all_reduce": 0, "all_gather": 0}
-    for forward in forwards():
-        for kind, n in tp_traffic(config, tp, forward, 4).items():
-            expected[kind] += n
-    assert rank_results[f"{model}-tp{tp}-ep{ep}"]["bytes_sent"] == expected
+    first_tp_ranks = ranks[::tp]          # one rank per stage
+    assert sum(len(rank["slots"]) for rank in first_tp_ranks) == len(config.kda_layers)
+    assert sum(len(rank["kv_tokens"]) for rank in first_tp_ranks) == len(config.mla_layers)
+
+
+@pytest.mark.parametrize("model,tp,ep,pp", CASES)
+def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp):
+    """Parallel.bytes_sent (one stage: the TP collectives) and the stage link's bytes (rank 0's stream to the
+    second stage) over the scripted steps equal kestrel/distributed/traffic.py (float32 activations)."""
+    config = load_config(folders[model])
+    got = rank_results[case_name(model, tp, ep, pp)]
+    if pp == 1:
+        expected = {"all_reduce": 0, "all_gather": 0}
+        for forward in forwards():
+            for kind, n in tp_traffic(config, tp, forward, 4).items():
+                expected[kind] += n
+        assert got["bytes_sent"] == expected
+        return
+    second_stage = config.num_hidden_layers // pp
+    assert got["stage_bytes_sent"] == {"stream": sum(pp_traffic(config, second_stage, f, 4)["stream"]
+                                                     for f in forwards())}

@@ -66,8 +66,12 @@ def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> dict[str, torc
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in SEQUENCES}
     for step, chunks in zip(steps(), CHUNKS):
         for (name, _, _), logits in zip(chunks, runner.execute(step)):
-            rows[name].append(logits)
-    return {name: torch.cat(parts) for name, parts in rows.items()}
+            if logits is not None:       # under pipeline parallelism only rank 0 gets logits
+                rows[name].append(logits)
+    out = {name: torch.cat(parts) for name, parts in rows.items() if parts}
+    if runner.link is not None:
+        out["stage_bytes_sent"] = dict(runner.link.bytes_sent)
+    return out
 
 
 @torch.inference_mode()
@@ -93,18 +97,19 @@ def allocated_pools(args, par, control) -> dict[str, int]:
     from kestrel.engine.ranks import load_shard
 
     shard = load_shard(args, par, torch.device("cpu"), control)
-    return {"weight_bytes": shard.plan.weight_bytes, "slots": shard.cache.kda[0].recurrent.shape[0],
-            "kv_tokens": shard.cache.mla[0].latent.values.shape[0], "plan_slots": shard.plan.num_slots,
-            "plan_kv_tokens": shard.plan.kv_tokens}
+    return {"weight_bytes": shard.plan.weight_bytes, "plan_slots": shard.plan.num_slots,
+            "plan_kv_tokens": shard.plan.kv_tokens, "table_rows": shard.page_table.rows.shape[0],
+            "slots": [state.recurrent.shape[0] for state in shard.cache.kda],        # per KDA layer of the rank
+            "kv_tokens": [layer.latent.values.shape[0] for layer in shard.cache.mla]}    # per MLA layer
 
 
-def rank_main(spec, cases: list[tuple[str, str, int, int]], out: str, pool_args: dict) -> None:
-    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size), this rank's shard runs
-    the script (and the MTP layer), then the engine loads the case (EngineArgs of pool_args) and allocates its
-    pools; rank 0 saves every case's logits and every rank's pools to out."""
+def rank_main(spec, cases: list[tuple[str, str, int, int, int]], out: str, pool_args: dict) -> None:
+    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size), this rank's
+    shard runs the script (and the MTP layer, in one stage), then the engine loads the case (EngineArgs of
+    pool_args) and allocates its pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
 
-    from kestrel.distributed.launch import init_process_groups
+    from kestrel.distributed.launch import init_process_groups, tp_group
     from kestrel.distributed.parallel import Parallel
     from kestrel.engine.args import EngineArgs
     from kestrel.models.checkpoint import load_model
@@ -113,15 +118,16 @@ def rank_main(spec, cases: list[tuple[str, str, int, int]], out: str, pool_args:
     _, control = init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"),
                                      timeout_s=120)
     results = {}
-    for name, folder, tp, ep in cases:
-        layout = ParallelLayout(tp, ep, spec.rank)
-        par = Parallel(layout, dist.group.WORLD)
+    for name, folder, tp, ep, pp in cases:
+        layout = ParallelLayout(tp, ep, spec.rank, pp)
+        par = Parallel(layout, tp_group(layout))
         model = load_model(folder, torch.float32, "cpu", par)
         results[name] = run_script(model, layout)
         results[name]["bytes_sent"] = dict(par.bytes_sent)
-        if model.config.num_nextn_predict_layers:
+        if model.config.num_nextn_predict_layers and pp == 1:
             results[name]["mtp"] = mtp_logits(model)
-        pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, **pool_args), par, control)
+        pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, pp_size=pp, **pool_args), par,
+                                control)
         gathered = [None] * spec.world_size
         dist.all_gather_object(gathered, pools, group=control)
         results[name]["pools"] = gathered

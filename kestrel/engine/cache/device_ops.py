@@ -102,7 +102,10 @@ def apply_ops(cache: HybridCache, ops: list[Op]) -> None:
                 device = state.recurrent.device
                 state.keep(torch.tensor(src, device=device), torch.tensor(dst, device=device))
             continue
-        device = (cache.kda[0].recurrent if kind == "slots" and cache.kda else cache.mla[0].latent.values).device
+        layers = cache.kda if kind == "slots" else cache.mla
+        if not layers:             # a pipeline stage without layers of that kind
+            continue
+        device = (layers[0].recurrent if kind == "slots" else layers[0].latent.values).device
         if kind == "slots":
             s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
             for state in cache.kda:

@@ -8,6 +8,8 @@ free slots). With speculative decoding each running sequence also needs, while i
 state after every verified token (draft tokens + 1 of them, recurrent in fp32: SGLang's extra state slots per
 request); they come off the state share first.
 The KV pool caches the decoder's MLA layers only: the MTP layers get pages when a drafter runs them (mtp_layers).
+A pipeline stage without KDA (or MLA) layers needs no state (or KV) memory: it puts no bound on that pool
+(`UNBOUNDED`), and the stages then agree on the others' (engine.ranks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import torch
 from ...config import ModelConfig
 from ...layers.cache import kv_bytes_per_token, state_bytes_per_slot
 from ..args import EngineArgs
+
+
+UNBOUNDED = 1 << 40
+"""The slots (or pages) of a plan whose config has no KDA (or MLA) layers: any number fits."""
 
 
 class MemoryPlanError(ValueError):
@@ -67,9 +73,11 @@ class MemoryPlan:
             f"memory plan: {self.budget / gib:.2f} GiB of {self.device_memory / gib:.2f} GiB; "
             f"weights {self.weight_bytes / gib:.3f} GiB",
             f"  KV cache: {self.kv_bytes_per_token:,} B per token{mtp}, {self.kv_tokens:,} tokens in "
-            f"{self.num_pages:,} pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)",
+            f"{self.num_pages:,} pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)"
+            if self.kv_bytes_per_token else "  KV cache: none (no MLA layer)",
             f"  KDA state: {self.state_bytes_per_slot:,} B per slot, {self.num_slots:,} slots "
-            f"({self.state_pool_bytes / gib:.3f} GiB)",
+            f"({self.state_pool_bytes / gib:.3f} GiB)" if self.state_bytes_per_slot else "  KDA state: none (no KDA "
+            "layer)",
             *([f"  speculative verification: {self.verify_tokens} token states of {self.token_state_bytes:,} B per "
                f"running request ({self.verify_bytes / gib:.3f} GiB)"] if self.verify_tokens else []),
             f"  concurrency cap: {self.max_running_requests:,} running requests; context length "
@@ -102,6 +110,8 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
     per_running = verify * token_state            # what each running sequence needs beyond its slot
     if args.max_mamba_cache_size is not None:
         slots = args.max_mamba_cache_size
+    elif per_slot == 0:
+        slots = UNBOUNDED
     else:
         ratio = args.mamba_full_memory_ratio
         state_budget = int(rest * ratio / (1 + ratio))
@@ -111,7 +121,7 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
             slots = state_budget // (per_slot + per_running)
     running = min(args.max_running_requests or slots, slots)
     kv_budget = rest - slots * per_slot - running * per_running
-    pages = max(kv_budget, 0) // (per_token * args.page_size)
+    pages = max(kv_budget, 0) // (per_token * args.page_size) if per_token else UNBOUNDED
     if args.max_total_tokens is not None:
         pages = min(pages, args.max_total_tokens // args.page_size)
     if slots < 1 or pages < 1:

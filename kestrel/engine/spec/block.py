@@ -24,7 +24,7 @@ class BlockDrafter:
             raise ValueError(f"the block draft has hidden size {draft.config.hidden_size} but the target model has "
                              f"{target.config.hidden_size}; pass a draft trained for this model.")
         self.target, self.draft_model = target, draft
-        self.device = target.lm_head.weight.device
+        self.device = target.device
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput]) -> list[list[int]]:

@@ -42,7 +42,7 @@ class MTPDrafter:
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable):
         self.model, self.cache, self.page_table = model, cache, page_table
-        self.device = model.lm_head.weight.device
+        self.device = model.device
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput]) -> list[list[int]]:

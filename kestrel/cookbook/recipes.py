@@ -139,6 +139,8 @@ def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, ext
         parts.append(f"--tp-size {layout.tp}")
     if layout.ep > 1:
         parts.append(f"--ep-size {layout.ep}")
+    if layout.pp > 1:
+        parts.append(f"--pp-size {layout.pp}")
     parts += [f"--mem-fraction-static {request.mem_fraction}", f"--mamba-full-memory-ratio {ratio}",
               f"--mamba-ssm-dtype {'float32' if cache.ssm_dtype == 'fp32' else 'bfloat16'}",
               f"--kv-cache-dtype {'fp8_e4m3' if cache.kv_dtype == 'fp8' else 'auto'}"]
@@ -219,13 +221,15 @@ def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_
     rules = _kestrel_rules()
     hardware = anchors()["hardware"][cell.hardware_key]
     quant = request.quant or sglang_recipe.default_quant(request.hardware)
+    planned = sglang_plan.request
     refusals = [(hardware["family"] != "nvidia", rules["unsupported"]["hardware"].format(hardware=request.hardware)),
                 (request.spec != "none", rules["unsupported"]["spec"]),
-                (quant != "mxfp4", rules["unsupported"]["quant"].format(quant=quant))]
+                (quant != "mxfp4", rules["unsupported"]["quant"].format(quant=quant)),
+                (request.hicache != "off" and planned.layout.world > 1,
+                 rules["unsupported"]["hicache_ranks"].format(layout=planned.layout.describe()))]
     for refused, reason in refusals:
         if refused:
             raise RecipeRefused(reason + ".")
-    planned = sglang_plan.request
     try:
         kestrel_plan = plan(replace(planned, engine="kestrel", max_mamba_cache_size=None, compare_devices=False))
     except ValueError as e:

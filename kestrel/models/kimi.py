@@ -146,11 +146,12 @@ class KimiTextModel(nn.Module):
         if self.last_stage:
             for j in range(config.num_nextn_predict_layers):
                 layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j, par))
+        self.layers = nn.ModuleList(layers)
+        if self.last_stage:
             self.norm = RMSNorm(d, config.rms_norm_eps)
             if attn_res:
                 self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
                 self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
-        self.layers = nn.ModuleList(layers)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -85,6 +85,6 @@ def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):
                "kestrel", "--batch", "1", "--json") == 0
     planned = json.loads(capsys.readouterr().out)
     assert max(per_rank) == per_rank[0] == planned["weight_bytes_per_rank_total"]
-    with pytest.raises(ValueError, match="pp_size > 1 is not supported yet"):
-        run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--pp", "2", "--engine",
+    with pytest.raises(ValueError, match="dcp_size > 1 is not supported yet"):
+        run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dcp", "2", "--engine",
             "kestrel")

@@ -37,12 +37,14 @@ def test_b300_balanced_is_the_pages_cell_with_the_ratio_pinned():
     assert "--tensor-parallel-size 8" in r.commands["vllm"].lines[0]
     assert r.commands["vllm"].strategy == "single_node_tp"
     assert r.refusals["kestrel"] == ("kestrel's engine cannot run TP8 x DCP8: dcp_size > 1 is not supported yet; "
-                                     "kestrel runs tensor and expert parallelism (--tp-size, --ep-size)")
+                                     "kestrel runs tensor, expert and pipeline parallelism (--tp-size, --ep-size, "
+                                     "--pp-size)")
     assert (r.nodes, r.per_node) == (1, 8)
 
 
 def test_kestrel_commands_for_the_layouts_its_engine_runs():
-    """TP (one node), TP x EP over two nodes; the pools its command pins come from kestrel's engine arithmetic."""
+    """TP (one node), TP x EP and TP x PP over two nodes; the pools its command pins come from kestrel's engine
+    arithmetic."""
     tp8 = recipe("k3/b300/unified/low-latency").commands["kestrel"]
     assert tp8.lines == ["huggingface-cli download moonshotai/Kimi-K3 --local-dir models/Kimi-K3",
                          "kestrel serve --model models/Kimi-K3 --device cuda --tp-size 8 --mem-fraction-static 0.85 "
@@ -56,17 +58,20 @@ def test_kestrel_commands_for_the_layouts_its_engine_runs():
     assert f"--mamba-full-memory-ratio {ratio_text(ours.ratio)}" in line
     assert f"{ours.pools.state_slots:,} state slots, {ours.pools.kv_tokens:,} KV tokens" in h200.commands[
         "kestrel"].notes[0]
+    staged = recipe("k3/b200/unified/low-latency").commands["kestrel"].lines[1]
+    assert "--tp-size 8 --pp-size 2" in staged and "--nnodes 2" in staged
 
 
 @pytest.mark.parametrize("recipe_id,reason", [
-    ("k3/b200/unified/low-latency", "cannot run TP8 x PP2: pp_size > 1 is not supported yet"),
-    ("k3/b300/decode/low-latency", "run one process each for now (--disaggregation-mode needs --tp-size 1: a "
-                                   "handoff moves one rank's caches), and this lane's decode instance is TP8 on 1 x 8"),
+    ("k3/b300/decode/low-latency", "run one process each for now (--disaggregation-mode needs --tp-size 1 and "
+                                   "--pp-size 1: a handoff moves one rank's caches), and this lane's decode instance "
+                                   "is TP8 on 1 x 8"),
     ("k3/h200/decode/low-latency", "this lane's decode instance is TP16 x EP16 on 2 x 8"),
     ("k3/b300/decode/balanced", "cannot run TP8 x DCP8"),
-    ("k3/b300/prefill/high-throughput", "cannot run TP1 x PP8"),
+    ("k3/b300/prefill/high-throughput", "this lane's prefill instance is TP1 x PP8 on 1 x 8"),
     ("k3/b300/unified/low-latency,spec=mtp", "not with a separate DSPARK or DFLASH draft model"),
     ("k3/b300/unified/low-latency,quant=nvfp4", "not nvfp4"),
+    ("k3/b300/unified/low-latency,hicache=host", "HiCache runs in one process for now"),
     ("k3/mi355x/unified/balanced", "mi355x is neither")])
 def test_kestrel_refuses_what_its_engine_does_not_run(recipe_id, reason):
     assert reason in recipe(recipe_id).refusals["kestrel"]

@@ -1,4 +1,4 @@
-"""Communication of kestrel's tensor parallelism, and CPU throughput at TP1 against TP2.
+"""Communication of kestrel's tensor parallelism, and CPU throughput at TP1 against TP2 and PP2.
 
 1. Bytes each rank puts into each collective per decode step and per prefill token, as the engine counts them
    (Parallel.bytes_sent) on small K3-shaped models at TP2 (gloo, 2 processes): K3-tiny (latent MoE, no indexer) and
@@ -7,7 +7,7 @@
    TP8 x EP8 (the same traffic: routed partials join the all-reduce) and DCP8 (analytic only: kestrel has no DCP),
    and the time a ring takes to move it on each catalogued interconnect (the roofline of `kestrel plan` adds it to
    every decode step).
-2. The bundled model (models/k3.1-tiny) through kestrel.LLM at tp_size 1 and 2: 8 greedy requests of 64 prompt
+2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2 and PP2: 8 greedy requests of 64 prompt
    tokens and 64 output tokens, ROUNDS alternating rounds, best time kept.
 Writes the section "distributed" of docs/benchmarks.md.
 
@@ -142,25 +142,28 @@ def k3_traffic() -> tuple[list[list[object]], list[list[object]]]:
     return rows, times
 
 
+LAYOUTS = {"TP1": {}, "TP2": {"tp_size": 2}, "PP2": {"pp_size": 2}}
+
+
 def throughput() -> list[list[object]]:
-    """Output tokens/s of the bundled model at tp_size 1 and 2 (alternating rounds, best kept)."""
+    """Output tokens/s of the bundled model at TP1, TP2 and PP2 (alternating rounds, best kept)."""
     prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + PROMPT))} for i in range(REQUESTS)]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
-    engines = {tp: LLM(str(BUNDLED_MODEL), dtype="float32", tp_size=tp, max_total_tokens=8192,
-                       max_mamba_cache_size=16, disable_radix_cache=True) for tp in (1, 2)}
+    engines = {name: LLM(str(BUNDLED_MODEL), dtype="float32", max_total_tokens=8192, max_mamba_cache_size=16,
+                         disable_radix_cache=True, **sizes) for name, sizes in LAYOUTS.items()}
     best = dict.fromkeys(engines, float("inf"))
     try:
         for _ in range(ROUNDS):
-            for tp, llm in engines.items():
+            for name, llm in engines.items():
                 start = time.perf_counter()
                 llm.generate(prompts, params)
-                best[tp] = min(best[tp], time.perf_counter() - start)
+                best[name] = min(best[name], time.perf_counter() - start)
     finally:
         for llm in engines.values():
             llm.engine.shutdown()
     tokens = REQUESTS * OUTPUT
-    return [[f"TP{tp}", f"{best[tp]:.2f} s", f"{tokens / best[tp]:,.1f}", f"{best[1] / best[tp]:.2f}x"]
-            for tp in engines]
+    return [[name, f"{best[name]:.2f} s", f"{tokens / best[name]:,.1f}", f"{best['TP1'] / best[name]:.2f}x"]
+            for name in engines]
 
 
 def main() -> None:
@@ -169,7 +172,7 @@ def main() -> None:
     k3_rows, k3_times = k3_traffic()
     speed = throughput()
     body = "\n\n".join([
-        f"## Distributed: communication and TP throughput\n\n`{COMMAND}` ({machine()})",
+        f"## Distributed: communication and TP / PP throughput\n\n`{COMMAND}` ({machine()})",
         "Bytes each rank puts into each collective (the input it contributes), counted by the engine "
         "(`Parallel.bytes_sent`) on two gloo ranks at TP2, float32, against `kestrel/distributed/traffic.py` for "
         f"the same model and step. Prefill: one {PREFILL}-token prompt, divided by its tokens.",
@@ -190,7 +193,9 @@ def main() -> None:
         "On this 2-core machine TP2 cannot be faster: the model is tiny (192-wide), so each step is dominated by "
         "per-op overhead that both ranks pay in full, every layer adds a gloo all-reduce over loopback TCP, rank 0 "
         "also pickles and broadcasts each step's batch, and the two ranks share the same two busy cores. TP "
-        "exists for models whose weights do not fit one device; its speed case is on GPUs with NVLink.",
+        "exists for models whose weights do not fit one device; its speed case is on GPUs with NVLink. PP2 halves "
+        "each rank's layers but a step still passes both stages in turn: its two micro-batches overlap the stages "
+        "for part of the step only (bubble 1/3 of a step), and each micro-batch pays its own per-op overhead.",
     ])
     print(body)
     write_section("distributed", body)

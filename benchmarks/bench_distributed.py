@@ -8,7 +8,7 @@
    and the time a ring takes to move it on each catalogued interconnect (the roofline of `kestrel plan` adds it to
    every decode step).
 2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2 and PP2: 8 greedy requests of 64 prompt
-   tokens and 64 output tokens, ROUNDS alternating rounds, best time kept.
+   tokens and 64 output tokens, ROUNDS rounds per layout, best time kept.
 Writes the section "distributed" of docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py
@@ -146,24 +146,24 @@ LAYOUTS = {"TP1": {}, "TP2": {"tp_size": 2}, "PP2": {"pp_size": 2}}
 
 
 def throughput() -> list[list[object]]:
-    """Output tokens/s of the bundled model at TP1, TP2 and PP2 (alternating rounds, best kept)."""
+    """Output tokens/s of the bundled model at TP1, TP2 and PP2, one layout after the other (a process joins one
+    distributed instance at a time), best of ROUNDS rounds each."""
     prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + PROMPT))} for i in range(REQUESTS)]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
-    engines = {name: LLM(str(BUNDLED_MODEL), dtype="float32", max_total_tokens=8192, max_mamba_cache_size=16,
-                         disable_radix_cache=True, **sizes) for name, sizes in LAYOUTS.items()}
-    best = dict.fromkeys(engines, float("inf"))
-    try:
-        for _ in range(ROUNDS):
-            for name, llm in engines.items():
+    best = dict.fromkeys(LAYOUTS, float("inf"))
+    for name, sizes in LAYOUTS.items():
+        llm = LLM(str(BUNDLED_MODEL), dtype="float32", max_total_tokens=8192, max_mamba_cache_size=16,
+                  disable_radix_cache=True, **sizes)
+        try:
+            for _ in range(ROUNDS):
                 start = time.perf_counter()
                 llm.generate(prompts, params)
                 best[name] = min(best[name], time.perf_counter() - start)
-    finally:
-        for llm in engines.values():
+        finally:
             llm.engine.shutdown()
     tokens = REQUESTS * OUTPUT
     return [[name, f"{best[name]:.2f} s", f"{tokens / best[name]:,.1f}", f"{best['TP1'] / best[name]:.2f}x"]
-            for name in engines]
+            for name in LAYOUTS]
 
 
 def main() -> None:
@@ -187,7 +187,8 @@ def main() -> None:
         markdown_table(["device", "scale-up bandwidth", *(f"{layout}, per decode step" for layout in
                                                           ("TP8", "TP8 x DCP8"))], k3_times),
         f"The bundled model through `kestrel.LLM`: {REQUESTS} greedy requests of {PROMPT} prompt and {OUTPUT} "
-        f"output tokens, best of {ROUNDS} alternating rounds; rank 0 keeps {THREADS} torch thread, the spawned "
+        f"output tokens, best of {ROUNDS} rounds per layout (one layout after the other: a process joins one "
+        f"distributed instance at a time); rank 0 keeps {THREADS} torch thread, the spawned "
         "rank its share of the cores.",
         markdown_table(["layout", "time", "output tok/s", "vs TP1"], speed),
         "On this 2-core machine TP2 cannot be faster: the model is tiny (192-wide), so each step is dominated by "

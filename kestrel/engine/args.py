@@ -65,9 +65,10 @@ class EngineArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None            # HOST:PORT of rank 0's rendezvous (multi-node)
-    speculative_algorithm: str = "none"          # none, NGRAM (earlier tokens), NEXTN (MTP), DFLASH (block draft)
+    speculative_algorithm: str = "none"          # none, NGRAM (earlier tokens), NEXTN (MTP), DFLASH (block draft),
+                                                 # STANDALONE (a smaller model sharing the tokenizer)
     speculative_num_draft_tokens: int = 4        # draft tokens verified per step
-    speculative_draft_model_path: str | None = None  # DFLASH: the block draft's folder (kestrel.models.block_draft)
+    speculative_draft_model_path: str | None = None  # DFLASH: the block draft's folder; STANDALONE: the draft model's
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
     enable_torch_compile: bool = False           # CPU: decode steps compiled by torch.compile (decode_graphs.py)
@@ -97,10 +98,11 @@ class EngineArgs:
             (self.mamba_scheduler_strategy in ("no_buffer", "extra_buffer"), "mamba_scheduler_strategy",
              "no_buffer or extra_buffer"),
             (self.mamba_track_interval >= 1, "mamba_track_interval", "at least 1"),
-            (self.speculative_algorithm in ("none", "NGRAM", "NEXTN", "DFLASH"), "speculative_algorithm",
-             "none, NGRAM, NEXTN or DFLASH (the standalone drafter is not built yet)"),
-            (self.speculative_algorithm != "DFLASH" or self.speculative_draft_model_path is not None,
-             "speculative_draft_model_path", "set for --speculative-algorithm DFLASH (the block draft's folder)"),
+            (self.speculative_algorithm in ("none", "NGRAM", "NEXTN", "DFLASH", "STANDALONE"), "speculative_algorithm",
+             "none, NGRAM, NEXTN, DFLASH or STANDALONE"),
+            (self.speculative_algorithm not in ("DFLASH", "STANDALONE") or self.speculative_draft_model_path,
+             "speculative_draft_model_path", "set for --speculative-algorithm DFLASH (the block draft's folder) and "
+             "STANDALONE (the draft model's folder)"),
             (self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens", "at least 1"),
             (self.hicache_ratio > 0, "hicache_ratio", "positive"),
             (self.hicache_size >= 0, "hicache_size", "at least 0"),

@@ -33,6 +33,7 @@ from .scheduler import ScheduledChunk, Scheduler
 from .spec import ngram
 from .spec.block import BlockDrafter
 from .spec.mtp import DraftInput, MTPDrafter
+from .spec.standalone import StandaloneDrafter
 from .spec.stats import SpecStats
 from .spec.verify import verify
 from .structured import GrammarCompiler
@@ -62,7 +63,7 @@ class LLMEngine:
             graphs = False
             log.info("decode: CUDA graphs and compiled steps are not used with model drafters yet (they read every "
                      "step's hidden states)")
-        if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
+        if args.speculative_algorithm in ("NEXTN", "DFLASH", "STANDALONE") and self.ranks:
             self.shutdown()
             raise ValueError(f"the {args.speculative_algorithm} drafter runs in one process for now; drop --tp-size "
                              "or use NGRAM.")
@@ -115,6 +116,9 @@ class LLMEngine:
             self.drafter = MTPDrafter(self.model, self.cache, page_table)
         elif args.speculative_algorithm == "DFLASH":
             self.drafter = BlockDrafter(self.model, shard.draft)
+        self.standalone = None
+        if args.speculative_algorithm == "STANDALONE":
+            self.standalone = StandaloneDrafter(shard.draft, shard.draft_cache, page_table, args.chunked_prefill_size)
         torch.manual_seed(args.random_seed)
 
     def shutdown(self) -> None:
@@ -282,7 +286,7 @@ class LLMEngine:
         self._finished_on_arrival = []
         for request in rejected:
             self.requests.pop(request.request_id, None)
-        if self.args.speculative_algorithm == "NGRAM":
+        if self.args.speculative_algorithm in ("NGRAM", "STANDALONE"):
             started = time.perf_counter()
             self._propose_drafts()
             self.spec_stats.draft_seconds += time.perf_counter() - started
@@ -359,10 +363,15 @@ class LLMEngine:
         return max(room, 0)
 
     def _propose_drafts(self) -> None:
-        """NGRAM drafts for every sequence that may speculate."""
-        for seq in self.scheduler.running:
-            n = seq.num_tokens
-            seq.draft = tuple(ngram.propose(seq.tokens(max(n - ngram.WINDOW, 0), n), self._draft_room(seq)))
+        """NGRAM or STANDALONE drafts for every sequence that may speculate."""
+        wanted = [(seq, self._draft_room(seq)) for seq in self.scheduler.running]
+        if self.standalone is not None:
+            drafts = self.standalone.draft(wanted)
+        else:
+            drafts = [ngram.propose(seq.tokens(max(seq.num_tokens - ngram.WINDOW, 0), seq.num_tokens), room)
+                      for seq, room in wanted]
+        for (seq, _), draft in zip(wanted, drafts):
+            seq.draft = tuple(draft)
 
     def _draft_from_hidden(self, computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """Hand the model drafter (MTP layer, block draft) the positions this step computed and kept, and take its

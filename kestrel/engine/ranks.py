@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import ModelConfig
 from ..distributed.channel import StepChannel, agree_min
 from ..distributed.launch import (RankSpec, Workers, init_process_groups, rank_device, ranks_on_node,
                                   this_process_spec, torchrun_spec)
@@ -49,7 +50,8 @@ class RankShard:
     cache: HybridCache
     page_table: PageTable
     graphs: bool               # decode by CUDA graphs (one rank only); the pools then hold one scratch slot and page
-    draft: BlockDraftModel | None = None   # DFLASH's block draft, its weights counted in the plan
+    draft: BlockDraftModel | KimiForCausalLM | None = None   # DFLASH's block draft or STANDALONE's draft model,
+    draft_cache: HybridCache | None = None                    # its weights (and caches) counted in the plan
 
 
 def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
@@ -69,7 +71,11 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     draft = None
     if args.speculative_algorithm == "DFLASH":
         draft = load_block_draft(args.speculative_draft_model_path, dtype, device)
+    elif args.speculative_algorithm == "STANDALONE":
+        draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
+    if draft is not None:
         weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}
+    draft_config = draft.config if isinstance(draft, KimiForCausalLM) else None
     cache_config = par.layout.cache_config(config)
     mtp_layers = 1 if args.speculative_algorithm == "NEXTN" else 0     # the MTP drafter's layer caches latents too
 
@@ -79,7 +85,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
 
     def plan(engine_args: EngineArgs) -> MemoryPlan:
         return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
-                           ssm_dtype, kv_dtype, mtp_layers)
+                           ssm_dtype, kv_dtype, mtp_layers, draft_config)
 
     memory_plan = plan(args)
     prefix = f"rank {par.layout.rank}: " if control is not None else ""
@@ -95,6 +101,8 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     try:
         cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
                                      dtype, ssm_dtype, kv_dtype, device, mtp_layers)
+        draft_cache = None if draft_config is None else HybridCache.allocate(
+            draft_config, slots + scratch, pages + scratch, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, device)
     except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
         size = (memory_plan.state_pool_bytes + memory_plan.kv_pool_bytes) / 2**30
         raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "
@@ -102,7 +110,16 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
-    return RankShard(model, memory_plan, cache, page_table, graphs, draft)
+    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache)
+
+
+def _load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> KimiForCausalLM:
+    """STANDALONE's draft model (in the target's dtype); a ValueError unless it shares the target's vocabulary."""
+    draft = load_model(Path(path), dtype, device)
+    if draft.config.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {path} has a vocabulary of {draft.config.vocab_size} tokens and the "
+                         f"target {target.vocab_size}; a STANDALONE draft must share the target's tokenizer.")
+    return draft
 
 
 def _use_mxfp8_activations(model: KimiForCausalLM, name: str) -> None:

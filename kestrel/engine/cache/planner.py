@@ -8,6 +8,9 @@ free slots). With speculative decoding each running sequence also needs, while i
 state after every verified token (draft tokens + 1 of them, recurrent in fp32: SGLang's extra state slots per
 request); they come off the state share first.
 The KV pool caches the decoder's MLA layers only: the MTP layers get pages when a drafter runs them (mtp_layers).
+A STANDALONE draft model's caches mirror the pools (its state in every slot, its latents in every page), so its
+state per slot and KV per token add to the target's, and each running sequence also keeps up to draft-tokens
+copies of the draft's slot state to roll back to (`draft`).
 A pipeline stage without KDA (or MLA) layers needs no state (or KV) memory: it puts no bound on that pool
 (`UNBOUNDED`), and the stages then agree on the others' (engine.ranks).
 """
@@ -47,6 +50,8 @@ class MemoryPlan:
     page_size: int
     max_running_requests: int
     context_length: int
+    draft_state_bytes_per_slot: int = 0   # a STANDALONE draft model's share of state_bytes_per_slot
+    draft_kv_bytes_per_token: int = 0     # ... and of kv_bytes_per_token
 
     @property
     def kv_tokens(self) -> int:
@@ -78,6 +83,9 @@ class MemoryPlan:
             f"  KDA state: {self.state_bytes_per_slot:,} B per slot, {self.num_slots:,} slots "
             f"({self.state_pool_bytes / gib:.3f} GiB)" if self.state_bytes_per_slot else "  KDA state: none (no KDA "
             "layer)",
+            *([f"  draft model: {self.draft_state_bytes_per_slot:,} B of each slot (and {self.verify_tokens - 1} "
+               f"roll-back copies per running request), {self.draft_kv_bytes_per_token:,} B of each token"]
+              if self.draft_state_bytes_per_slot or self.draft_kv_bytes_per_token else []),
             *([f"  speculative verification: {self.verify_tokens} token states of {self.token_state_bytes:,} B per "
                f"running request ({self.verify_bytes / gib:.3f} GiB)"] if self.verify_tokens else []),
             f"  concurrency cap: {self.max_running_requests:,} running requests; context length "
@@ -93,9 +101,11 @@ def device_memory(device: torch.device) -> int:
 
 
 def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory: int, dtype: torch.dtype,
-                ssm_dtype: torch.dtype, kv_dtype: torch.dtype, mtp_layers: int = 0) -> MemoryPlan:
+                ssm_dtype: torch.dtype, kv_dtype: torch.dtype, mtp_layers: int = 0,
+                draft: ModelConfig | None = None) -> MemoryPlan:
     """Pool sizes for `memory` bytes of device memory (see the module docstring); mtp_layers: how many MTP
-    layers the engine runs (a drafter's; 0 when serving plainly), whose latents the KV pool must hold too."""
+    layers the engine runs (a drafter's; 0 when serving plainly), whose latents the KV pool must hold too; draft:
+    the config of a STANDALONE draft model (its weights in weight_bytes), whose caches mirror the pools."""
     fraction = args.mem_fraction_static or (0.85 if args.device.startswith("cuda") else 0.1)
     budget = int(memory * fraction)
     rest = budget - weight_bytes
@@ -103,11 +113,14 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
         raise MemoryPlanError(f"the weights need {weight_bytes / 2**30:.2f} GiB but mem_fraction_static {fraction} "
                               f"of {memory / 2**30:.2f} GiB leaves only {budget / 2**30:.2f} GiB; raise "
                               "--mem-fraction-static or use a device with more memory.")
-    per_slot = state_bytes_per_slot(config, dtype, ssm_dtype)
-    per_token = kv_bytes_per_token(config, kv_dtype, mtp_layers)
+    draft_slot = 0 if draft is None else state_bytes_per_slot(draft, dtype, ssm_dtype)
+    draft_token = 0 if draft is None else kv_bytes_per_token(draft, kv_dtype)
+    per_slot = state_bytes_per_slot(config, dtype, ssm_dtype) + draft_slot
+    per_token = kv_bytes_per_token(config, kv_dtype, mtp_layers) + draft_token
     verify = args.speculative_num_draft_tokens + 1 if args.speculative_algorithm != "none" else 0
     token_state = state_bytes_per_slot(config, dtype, torch.float32)
-    per_running = verify * token_state            # what each running sequence needs beyond its slot
+    # what each running sequence needs beyond its slot: the verification's token states, the draft's roll-back states
+    per_running = verify * token_state + (args.speculative_num_draft_tokens * draft_slot)
     if args.max_mamba_cache_size is not None:
         slots = args.max_mamba_cache_size
     elif per_slot == 0:
@@ -132,4 +145,5 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
     return MemoryPlan(device_memory=memory, budget=budget, weight_bytes=weight_bytes, state_bytes_per_slot=per_slot,
                       kv_bytes_per_token=per_token, mtp_layers=mtp_layers, verify_tokens=verify,
                       token_state_bytes=token_state, num_slots=slots, num_pages=pages,
-                      page_size=args.page_size, max_running_requests=running, context_length=context)
+                      page_size=args.page_size, max_running_requests=running, context_length=context,
+                      draft_state_bytes_per_slot=draft_slot, draft_kv_bytes_per_token=draft_token)

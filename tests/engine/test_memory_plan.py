@@ -112,3 +112,22 @@ def test_speculative_verification_states_are_reserved_per_running_request(runnin
     assert used <= memory // 2 - weights < used + spec.state_bytes_per_slot + spec.token_state_bytes * 4 + \
         spec.kv_bytes_per_token * spec.page_size
     assert "4 token states" in spec.describe() and "speculative" not in plain.describe()
+
+
+def test_a_standalone_draft_models_caches_are_planned_with_the_pools():
+    """Each slot holds the draft's state too, each token the draft's latents, and each running request k copies
+    of the draft's slot state to roll back to; the whole plan still fits the budget."""
+    config, draft = load_config(BUNDLED), load_config(BUNDLED)
+    memory, weights, dtypes = 2**30, 24 * 2**20, (torch.bfloat16, torch.float32, torch.bfloat16)
+    args = EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5, speculative_algorithm="STANDALONE",
+                      speculative_draft_model_path=str(BUNDLED), speculative_num_draft_tokens=3)
+    alone = plan_memory(config, args, weights, memory, *dtypes)
+    both = plan_memory(config, args, weights, memory, *dtypes, draft=draft)
+    assert both.draft_state_bytes_per_slot == alone.state_bytes_per_slot
+    assert both.state_bytes_per_slot == 2 * alone.state_bytes_per_slot
+    assert both.kv_bytes_per_token == 2 * alone.kv_bytes_per_token
+    rollback = both.max_running_requests * 3 * both.draft_state_bytes_per_slot
+    used = both.state_pool_bytes + both.verify_bytes + rollback + both.kv_pool_bytes
+    assert used <= memory // 2 - weights < used + both.state_bytes_per_slot + both.token_state_bytes * 4 + \
+        3 * both.draft_state_bytes_per_slot + both.kv_bytes_per_token * both.page_size
+    assert "draft model" in both.describe() and "draft model" not in alone.describe()

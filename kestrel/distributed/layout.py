@@ -53,9 +53,9 @@ class ParallelLayout:
             if bad:
                 raise ValueError(f"{what} is not supported yet; kestrel runs tensor, expert and pipeline "
                                  "parallelism (--tp-size, --ep-size, --pp-size).")
-        if args.pp_size > 1 and args.speculative_algorithm != "none":
-            raise ValueError("speculative decoding does not run over pipeline stages yet; drop --pp-size or "
-                             "--speculative-algorithm.")
+        if args.pp_size > 1 and args.speculative_algorithm not in ("none", "NGRAM"):
+            raise ValueError("model drafters do not run over pipeline stages yet; drop --pp-size or use "
+                             "--speculative-algorithm NGRAM.")
         layout = cls(args.tp_size, args.ep_size, rank, args.pp_size)
         if layout.world_size % args.nnodes:
             raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "

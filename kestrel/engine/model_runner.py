@@ -126,7 +126,8 @@ class ModelRunner:
         first TP rank sends to rank 0. Rank 0 returns them (the other ranks, Nones)."""
         model, link, layout = self.model.model, self.link, self.link.layout
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
-        parts = micro_batches(step.lengths, layout.pp_size)
+        # a verification runs whole: the KDA token states it keeps are indexed by the step's tokens
+        parts = [range(len(step.lengths))] if step.verify else micro_batches(step.lengths, layout.pp_size)
         firsts = [0] + torch.tensor(step.lengths).cumsum(0).tolist()      # each chunk's first token in the step
         for m, chunks in enumerate(parts):
             batch = self._batch(step, chunks)

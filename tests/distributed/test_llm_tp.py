@@ -30,10 +30,12 @@ def expected() -> list[list[int]]:
 
 def test_pp2_greedy_tokens_equal_one_process(expected):
     """Two pipeline stages of the bundled model (layers 0-2, all KDA, then 3-5 with both MLA layers, the LM head
-    and the MTP layer), each step in two micro-batches, n > 1 sharing a prompt's pages and state."""
-    llm = LLM(str(BUNDLED_MODEL), pp_size=2, **ARGS)
+    and the MTP layer), steps in two micro-batches, NGRAM drafts verified whole (every stage keeps and commits its
+    layers' token states), n > 1 sharing a prompt's pages and state."""
+    llm = LLM(str(BUNDLED_MODEL), pp_size=2, speculative_algorithm="NGRAM", **ARGS)
     try:
         assert tokens(llm) == expected
+        assert llm.engine.spec_stats.draft_tokens > 0
         twins = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))
         assert [o.token_ids for o in twins[0].outputs] == [expected[1]] * 2
         assert llm.engine.scheduler.state_pool.num_slots == 8

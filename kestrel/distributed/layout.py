@@ -11,8 +11,10 @@ split `moe_tp_size = tp_size / ep_size` ways:
     rank r: pp_rank = r // tp_size, tp_rank = r % tp_size, ep_rank = tp_rank // moe_tp_size,
             moe_tp_rank = tp_rank % moe_tp_size
 
-Data-parallel attention and decode context parallelism are not implemented; `from_args` refuses them (their ranks
-would extend this layout, with the TP group as the innermost axis).
+Decode context parallelism (`dcp_size`, equal to tp_size: the DCP group is the TP group) splits the MLA cache by
+token: position p of every sequence is stored on the TP rank p % dcp_size only (kestrel.layers.dcp).
+Data-parallel attention is not implemented; `from_args` refuses it (its ranks would extend this layout, with the
+TP group as the innermost axis).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ParallelLayout:
     ep_size: int = 1
     rank: int = 0
     pp_size: int = 1
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
@@ -41,22 +44,27 @@ class ParallelLayout:
                              "runs over the tensor-parallel ranks.")
         if self.pp_size < 1:
             raise ValueError(f"pp_size must be at least 1, got {self.pp_size}.")
+        if self.dcp_size not in (1, self.tp_size):
+            raise ValueError(f"dcp_size ({self.dcp_size}) must be 1 or tp_size ({self.tp_size}): kestrel's decode "
+                             "context parallelism runs over the whole TP group.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a layout of {self.world_size} ranks.")
 
     @classmethod
     def from_args(cls, args, rank: int = 0) -> ParallelLayout:
         """The layout EngineArgs ask for; a ValueError for the parallelism kestrel does not implement yet."""
-        refused = [(args.dp_size > 1, "dp_size > 1"), (args.enable_dp_attention, "enable_dp_attention"),
-                   (args.dcp_size > 1, "dcp_size > 1")]
+        refused = [(args.dp_size > 1, "dp_size > 1"), (args.enable_dp_attention, "enable_dp_attention")]
         for bad, what in refused:
             if bad:
-                raise ValueError(f"{what} is not supported yet; kestrel runs tensor, expert and pipeline "
-                                 "parallelism (--tp-size, --ep-size, --pp-size).")
+                raise ValueError(f"{what} is not supported yet; kestrel runs tensor, expert, pipeline and decode "
+                                 "context parallelism (--tp-size, --ep-size, --pp-size, --dcp-size).")
         if args.pp_size > 1 and args.speculative_algorithm not in ("none", "NGRAM"):
             raise ValueError("model drafters do not run over pipeline stages yet; drop --pp-size or use "
                              "--speculative-algorithm NGRAM.")
-        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size)
+        if args.dcp_size > 1 and args.page_size % args.dcp_size:
+            raise ValueError(f"--page-size {args.page_size} must be a multiple of --dcp-size {args.dcp_size} (each "
+                             "rank holds page_size / dcp_size tokens of every page).")
+        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size, args.dcp_size)
         if layout.world_size % args.nnodes:
             raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "
                              "--tp-size x --pp-size a multiple of --nnodes.")

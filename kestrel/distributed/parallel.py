@@ -30,17 +30,29 @@ class Parallel:
     def tp_size(self) -> int:
         return self.layout.tp_size
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of x over the TP ranks (x contiguous, reduced in place and returned)."""
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   kind: str = "all_reduce") -> torch.Tensor:
+        """The sum (or op) of x over the TP ranks (x contiguous, reduced in place and returned); counted as kind."""
         if self.group is None:
             return x
-        self.bytes_sent["all_reduce"] += x.nbytes
+        self.bytes_sent[kind] += x.nbytes
         if self.via_host:
             host = x.cpu()
-            dist.all_reduce(host, group=self.group)
+            dist.all_reduce(host, op=op, group=self.group)
             return x.copy_(host)
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, op=op, group=self.group)
         return x
+
+    def gather_ranks(self, x: torch.Tensor, kind: str = "dcp_all_gather") -> torch.Tensor:
+        """Every TP rank's x (the same shape on all) stacked in rank order: [tp, *x.shape]; counted as kind."""
+        if self.group is None:
+            return x.unsqueeze(0)
+        x = x.contiguous()
+        self.bytes_sent[kind] += x.nbytes
+        host = x.cpu() if self.via_host else x
+        parts = [torch.empty_like(host) for _ in range(self.tp_size)]
+        dist.all_gather(parts, host, group=self.group)
+        return torch.stack(parts).to(x.device)
 
     def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate along the last dim every rank's x [..., sizes[rank]] -> [..., sum(sizes)] (parts may differ

@@ -12,8 +12,12 @@ and activations of `act_bytes`, on TP > 1 ranks; every rank contributes:
 Between pipeline stages (pp_traffic), each rank of a stage sends the next stage's rank in its place the residual
 stream entering that stage's first layer (with AttnRes, every block summary finished so far plus the partial sum),
 T x hidden each; the last stage's first TP rank sends rank 0 the R x vocab fp32 logits.
-Decode context parallelism is not implemented; `dcp_traffic` is the analytic count of the SGLang-style exchange
-(queries all-gathered over the DCP group, partial outputs with their log-sum-exp reduce-scattered back).
+With kestrel's decode context parallelism (DCP = TP, kestrel.layers.dcp; `kestrel_dcp_traffic`), per MLA layer:
+dcp_all_gather of the absorbed queries (T x H/TP x 576), with the indexer its queries (T x Hi/TP x D) and fp32
+head weights, and the fp32 scores of the positions the rank holds (N x L x ceil(S / DCP)); dcp_all_reduce of the
+partial softmaxes' fp32 maxima, weights and latent outputs (N x L x H, twice, and N x L x H x 512); the indexer's
+scores then leave the all-reduce. `dcp_traffic` is the analytic count of SGLang's exchange (queries all-gathered
+over the DCP group, partial outputs with their log-sum-exp reduce-scattered back), which the cookbook uses.
 A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n.
 """
 
@@ -52,7 +56,7 @@ def _moe_layers(config: ModelConfig) -> int:
     return sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
 
 
-def tp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int) -> dict[str, int]:
+def tp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int, dcp: int = 1) -> dict[str, int]:
     """Bytes one rank contributes to each collective kind in one forward (see the module docstring)."""
     if tp == 1:
         return {"all_reduce": 0, "all_gather": 0}
@@ -63,7 +67,7 @@ def tp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int) -
     moe_width = (config.expert_dim + (hidden if config.num_shared_experts else 0)) if latent else hidden
     rows = (1 + len(config.kda_layers) + len(config.mla_layers) + dense) * t * hidden + moe * t * moe_width
     scores = (len(config.mla_layers) * forward.sequences * forward.longest_new * forward.longest_total * SCORE_BYTES
-              if config.has_indexer else 0)
+              if config.has_indexer and dcp == 1 else 0)
     logits = forward.logit_rows * -(-config.vocab_size // tp) * LOGIT_BYTES
     return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
 
@@ -74,6 +78,21 @@ def pp_traffic(config: ModelConfig, next_layer: int | None, forward: Forward, ac
     if next_layer is None:
         return {"logits": forward.logit_rows * config.vocab_size * LOGIT_BYTES}
     return {"stream": config.stream_width(next_layer) * forward.tokens * config.hidden_size * act_bytes}
+
+
+def kestrel_dcp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int) -> dict[str, int]:
+    """Bytes one rank contributes to kestrel's DCP collectives (DCP = TP) in one forward (module docstring)."""
+    if tp == 1:
+        return {}
+    layers, t, heads = len(config.mla_layers), forward.tokens, config.num_attention_heads
+    padded = forward.sequences * forward.longest_new          # query rows in the padded [N, L] layout
+    gathered = t * heads // tp * config.kv_cache_dim * act_bytes
+    if config.has_indexer:
+        index_heads = config.index_n_heads // tp
+        held = -(-forward.longest_total // tp)
+        gathered += t * index_heads * (config.index_head_dim * act_bytes + 4) + padded * held * SCORE_BYTES
+    reduced = padded * heads * (2 + config.kv_lora_rank) * 4
+    return {"dcp_all_gather": layers * gathered, "dcp_all_reduce": layers * reduced}
 
 
 def dcp_traffic(config: ModelConfig, tp: int, dcp: int, forward: Forward, act_bytes: int) -> dict[str, int]:

@@ -100,7 +100,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     slots, pages = memory_plan.num_slots, memory_plan.num_pages
     try:
         cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
-                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers)
+                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, par.layout.dcp_size)
         draft_cache = None if draft_config is None else HybridCache.allocate(
             draft_config, slots + scratch, pages + scratch, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, device)
     except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator

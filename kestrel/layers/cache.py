@@ -85,22 +85,30 @@ class MLAPages:
 @dataclass
 class HybridCache:
     """All caches of one model: `kda[i]` for the i-th KDA layer, `mla[j]` for the j-th MLA layer (then any MTP
-    layers allocated with pages)."""
+    layers allocated with pages). With decode context parallelism over dcp_size ranks, a page of page_size tokens
+    holds only this rank's page_size / dcp_size of them (kestrel.layers.dcp)."""
 
     kda: list[KDAState]
     mla: list[MLAPages]
     page_size: int
+    dcp_size: int = 1
+
+    @property
+    def rows_per_page(self) -> int:
+        """Cache rows of one page on this rank."""
+        return self.page_size // self.dcp_size
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
                  kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 mtp_layers: int = 0) -> HybridCache:
+                 mtp_layers: int = 0, dcp_size: int = 1) -> HybridCache:
         """Storage (uninitialised) for num_slots sequences' KDA state and num_pages pages of MLA cache.
 
         dtype: the conv state's (the model's activations); state_dtype: the recurrent state's; kv_dtype: the paged
         cache's (default dtype; torch.float8_e4m3fn stores FP8 with a scale per token). mtp_layers: how many of the
-        model's MTP layers get pages too (after the decoder's); serving runs none, only a drafter would.
+        model's MTP layers get pages too (after the decoder's); serving runs none, only a drafter would. dcp_size:
+        the ranks one page's tokens are spread over.
         """
         _check_mtp_layers(config, mtp_layers)
         hk = config.kda_num_heads * config.kda_head_dim
@@ -109,13 +117,13 @@ class HybridCache:
             recurrent=torch.empty(num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
                                   dtype=state_dtype, device=device),
         ) for _ in config.kda_layers]
-        rows, kv_dtype = num_pages * page_size, kv_dtype or dtype
+        rows, kv_dtype = num_pages * (page_size // dcp_size), kv_dtype or dtype
         mla = [MLAPages(
             latent=PagedRows.allocate(rows, config.kv_cache_dim, kv_dtype, device),
             index_keys=(PagedRows.allocate(rows, config.index_head_dim, kv_dtype, device)
                         if config.has_indexer and j < len(config.mla_layers) else None),
         ) for j in range(len(config.mla_layers) + mtp_layers)]
-        return cls(kda=kda, mla=mla, page_size=page_size)
+        return cls(kda=kda, mla=mla, page_size=page_size, dcp_size=dcp_size)
 
 
 def state_bytes_per_slot(config: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:

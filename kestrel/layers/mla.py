@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from ..ops import backend
 from ..ops.torch.paged_attention import topk_positions
 from ..distributed.parallel import SINGLE, Parallel
+from . import dcp
 from .batch import ForwardBatch
 from .cache import HybridCache
 from .norm import RMSNorm
@@ -75,11 +76,13 @@ class GatedMLA(nn.Module):
     mla_index: the layer's position among the model's MLA layers (its pages in a HybridCache).
     form: PLAIN, ABSORBED, or AUTO (absorbed when every sequence brings one new token, plain otherwise).
     Under tensor parallelism each rank runs num_heads = H / tp heads: the latent projections (q_a, kv_a) and the
-    cached latents are replicated, the head projections (q_b, kv_b, g) split, o_proj row-parallel.
+    cached latents are replicated, the head projections (q_b, kv_b, g) split, o_proj row-parallel. With decode
+    context parallelism the cached latents are split by position instead (kestrel.layers.dcp).
     """
 
     def __init__(self, config: ModelConfig, mla_index: int, with_indexer: bool, par: Parallel = SINGLE):
         super().__init__()
+        self.par = par
         self.mla_index = mla_index
         self.num_heads = config.num_attention_heads // par.tp_size
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -120,7 +123,9 @@ class GatedMLA(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
         index_keys = self.indexer.keys(x) if self.indexer is not None else None
 
-        if cache is not None and self._absorbed_form(batch) and index_scores_out is None and attention_out is None:
+        if cache is not None and self.par.layout.dcp_size > 1:
+            o = self._context_parallel(x, q, q_latent, latent, index_keys, batch, cache)
+        elif cache is not None and self._absorbed_form(batch) and index_scores_out is None and attention_out is None:
             o = self._absorbed_paged(x, q, q_latent, latent, index_keys, batch, cache)
         else:
             o = self._attend_context(x, q, q_latent, latent, index_keys, batch, cache, index_scores_out,
@@ -149,6 +154,37 @@ class GatedMLA(nn.Module):
             q_full, pages.latent.values, pages.latent.scales, batch.page_table, cache.page_size, batch.seq_index,
             batch.positions, self.scale, self.latent_dim, selected)
         return torch.einsum("thr,hvr->thv", o_latent, w_uv)
+
+    def _context_parallel(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None,
+                          latent: torch.Tensor, index_keys: torch.Tensor | None, batch: ForwardBatch,
+                          cache: HybridCache) -> torch.Tensor:
+        """Attention over the positions split across the DCP ranks (prefill and decode; kestrel.layers.dcp):
+        q [T, H/tp, 192] -> [T, H/tp, v_dim]."""
+        par, pages = self.par, cache.mla[self.mla_index]
+        rank, size = par.layout.tp_rank, par.layout.dcp_size
+        mine = batch.positions % size == rank
+        rows = dcp.cache_rows(batch.page_table, batch.seq_index, batch.positions, cache.page_size, size)[mine]
+        held, reached = dcp.held_positions(batch, rank, size)
+        read = torch.where(reached, dcp.cache_rows(batch.page_table, torch.arange(batch.num_seqs, device=x.device)
+                                                   .unsqueeze(1), held, cache.page_size, size), 0)
+        pages.latent.write(rows, latent[mine])
+        context = torch.where(reached.unsqueeze(-1), pages.latent.read(read, latent.dtype), 0)
+        mask = held.unsqueeze(1) <= (batch.to_padded(batch.positions + 1) - 1).unsqueeze(-1)     # [N, L, S']
+        if self.indexer is not None:
+            pages.index_keys.write(rows, index_keys[mine])
+            keys = torch.where(reached.unsqueeze(-1), pages.index_keys.read(read, index_keys.dtype), 0)
+            index_q, weights = self.indexer.queries(x, q_latent)
+            local = ops.indexer_scores(batch.to_padded(dcp.gather_heads(index_q, par)), keys,
+                                       batch.to_padded(dcp.gather_heads(weights, par)), mask)
+            scores = dcp.gather_positions(local, par)
+            mask = ops.topk_mask(scores, scores > float("-inf"), self.indexer.topk)[..., rank::size]
+        w_uk, w_uv = self._absorption()
+        q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_full = dcp.gather_heads(torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1), par)
+        out, lse = dcp.partial_attention(batch.to_padded(q_full), context, mask, self.scale, self.latent_dim)
+        mine_heads = slice(rank * self.num_heads, (rank + 1) * self.num_heads)
+        o_latent = dcp.merge_partials(out, lse, par)[:, :, mine_heads].to(w_uv.dtype)
+        return batch.from_padded(torch.einsum("nlhr,hvr->nlhv", o_latent, w_uv))
 
     def _attend_context(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, latent: torch.Tensor,
                         index_keys: torch.Tensor | None, batch: ForwardBatch, cache: HybridCache | None,

@@ -1,6 +1,6 @@
-"""kestrel.LLM with tp_size=2 or pp_size=2 (one spawned rank process, gloo): greedy tokens equal one process's; a
-rank that dies fails the requests with an error naming it, every later step fails at once, and no process is
-left."""
+"""kestrel.LLM with tp_size=2 (and dcp_size=2) or pp_size=2 (one spawned rank process, gloo): greedy tokens equal
+one process's; a rank that dies fails the requests with an error naming it, every later step fails at once, and no
+process is left."""
 
 from __future__ import annotations
 
@@ -45,14 +45,17 @@ def test_pp2_greedy_tokens_equal_one_process(expected):
     assert not multiprocessing.active_children()
 
 
-def test_tp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests(expected):
-    """The bundled model (its MXFP4 experts' 96-wide intermediate split 64 + 32 at TP2), mixed-length prompts
-    with chunked prefill, then decode; then SIGKILL the spawned rank (one group for both, to keep the suite short)."""
-    llm = LLM(str(BUNDLED_MODEL), tp_size=2, **ARGS)
+def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests(expected):
+    """The bundled model at TP2 (its MXFP4 experts' 96-wide intermediate split 64 + 32) with its MLA cache split
+    by position over both ranks (DCP2), mixed-length prompts with chunked prefill, then decode; then SIGKILL the
+    spawned rank (one group for both, to keep the suite short). `kestrel serve --tp-size 2` runs without DCP."""
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, dcp_size=2, **ARGS)
     worker = llm.engine.ranks.workers.processes[0]
     try:
         assert tokens(llm) == expected
         assert llm.engine.scheduler.state_pool.num_slots == 8
+        pages = llm.engine.scheduler.kv_pool.num_pages
+        assert llm.engine.cache.mla[0].latent.values.shape[0] == pages * llm.engine.cache.page_size // 2
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(30)
         for _ in range(2):                          # the step that finds the rank gone, then every later one

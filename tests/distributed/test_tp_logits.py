@@ -18,7 +18,7 @@ from kestrel.cookbook.calculator import CacheSettings
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.planner import PlanRequest, plan
 from kestrel.distributed.launch import RankSpec, Workers
-from kestrel.distributed.traffic import pp_traffic, tp_traffic
+from kestrel.distributed.traffic import kestrel_dcp_traffic, pp_traffic, tp_traffic
 from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
@@ -30,8 +30,9 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 absolute; dropping the indexer's score reduction moves logits by 2.1)."""
 MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXFP4 blocks: one per rank at TP2
           "kimi-linear": ("kimi-linear-tiny", {})}
-CASES = [("k3.1", 2, 1, 1), ("k3.1", 2, 2, 1), ("kimi-linear", 2, 1, 1), ("kimi-linear", 2, 2, 1),
-         ("k3.1", 1, 1, 2), ("kimi-linear", 1, 1, 2), ("k3.1", 2, 1, 2)]     # (model, tp, ep, pp)
+CASES = [("k3.1", 2, 1, 1, 1), ("k3.1", 2, 2, 1, 1), ("kimi-linear", 2, 1, 1, 1), ("kimi-linear", 2, 2, 1, 1),
+         ("k3.1", 1, 1, 2, 1), ("kimi-linear", 1, 1, 2, 1), ("k3.1", 2, 1, 2, 1),
+         ("k3.1", 2, 1, 1, 2), ("kimi-linear", 2, 1, 1, 2)]     # (model, tp, ep, pp, dcp)
 RANK_TIMEOUT_S = 240
 POOL_BUDGET = 256 * 2**20
 """Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
@@ -60,15 +61,15 @@ def pool_fraction(ranks: int) -> float:
     return POOL_BUDGET / (device_memory(torch.device("cpu")) // ranks)
 
 
-def case_name(model: str, tp: int, ep: int, pp: int) -> str:
-    return f"{model}-tp{tp}-ep{ep}-pp{pp}"
+def case_name(model: str, tp: int, ep: int, pp: int, dcp: int) -> str:
+    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}"
 
 
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
     """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks)."""
     results = {}
-    for world in sorted({tp * pp for _, tp, _, pp in CASES}):
+    for world in sorted({tp * pp for _, tp, _, pp, _ in CASES}):
         out = tmp_path_factory.mktemp("ranks") / "logits.pt"
         cases = [(case_name(*case), folders[case[0]], *case[1:]) for case in CASES if case[1] * case[3] == world]
         port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
@@ -85,11 +86,11 @@ def rank_results(folders, tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("model,tp,ep,pp", CASES)
-def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
+def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp):
     single = load_model(folders[model], torch.float32)
     expected = oracle(single)
-    got = rank_results[case_name(model, tp, ep, pp)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp)]
     for name in SEQUENCES:
         first = FORK_AT if name == "D" else 0          # the fork's own tokens (its prompt is B's)
         torch.testing.assert_close(got[name], expected[name][first:], **TOLERANCE,
@@ -98,38 +99,40 @@ def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, 
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp", CASES)
-def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
+def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp):
     """`kestrel plan --engine kestrel` plans each stage's rank 0, the heaviest of its stage (uneven splits give
     the first rank more): the heaviest rank's weights, and the pools all ranks agree on; each rank allocates them
     for its own stage's layers only."""
     planned = plan(PlanRequest(model=folders[model], hardware="cpu", dtype="fp32",
-                               layout=Layout(tp=tp, ep=ep, pp=pp), cache=CacheSettings(kv_dtype="fp32"),
+                               layout=Layout(tp=tp, ep=ep, pp=pp, dcp=dcp), cache=CacheSettings(kv_dtype="fp32"),
                                mem_fraction=pool_fraction(tp * pp), ratio=RATIO, engine="kestrel", batches=(1,),
                                compare_devices=False))
-    ranks = rank_results[case_name(model, tp, ep, pp)]["pools"]
+    ranks = rank_results[case_name(model, tp, ep, pp, dcp)]["pools"]
     assert max(rank["weight_bytes"] for rank in ranks) == planned.weight_bytes_per_rank_total
     slots, kv_tokens = planned.pools.state_slots, planned.pools.kv_tokens
     for rank in ranks:
         assert (rank["plan_slots"], rank["plan_kv_tokens"], rank["table_rows"]) == (slots, kv_tokens, slots)
-        assert set(rank["slots"]) <= {slots} and set(rank["kv_tokens"]) <= {kv_tokens}
+        assert set(rank["slots"]) <= {slots} and set(rank["kv_tokens"]) <= {kv_tokens // dcp}   # rows held
     config = load_config(folders[model])
     first_tp_ranks = ranks[::tp]          # one rank per stage
     assert sum(len(rank["slots"]) for rank in first_tp_ranks) == len(config.kda_layers)
     assert sum(len(rank["kv_tokens"]) for rank in first_tp_ranks) == len(config.mla_layers)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp", CASES)
-def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
+def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp):
     """Parallel.bytes_sent (one stage: the TP collectives) and the stage link's bytes (rank 0's stream to the
     second stage) over the scripted steps equal kestrel/distributed/traffic.py (float32 activations)."""
     config = load_config(folders[model])
-    got = rank_results[case_name(model, tp, ep, pp)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp)]
     if pp == 1:
         expected = {"all_reduce": 0, "all_gather": 0}
         for forward in forwards():
-            for kind, n in tp_traffic(config, tp, forward, 4).items():
-                expected[kind] += n
+            counts = tp_traffic(config, tp, forward, 4, dcp) | (kestrel_dcp_traffic(config, tp, forward, 4)
+                                                                if dcp > 1 else {})
+            for kind, n in counts.items():
+                expected[kind] = expected.get(kind, 0) + n
         assert got["bytes_sent"] == expected
         return
     second_stage = config.num_hidden_layers // pp

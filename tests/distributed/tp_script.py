@@ -61,7 +61,7 @@ def forwards() -> list[Forward]:
 def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> dict[str, torch.Tensor]:
     """Each sequence's logits [len, vocab] at every position, from the scripted steps on this rank's shard."""
     cache = HybridCache.allocate(layout.cache_config(model.config), len(SLOTS), len(SLOTS) * ROW, PAGE,
-                                 torch.float32, device="cpu")
+                                 torch.float32, device="cpu", dcp_size=layout.dcp_size)
     runner = ModelRunner(model, cache, PageTable(len(SLOTS), ROW, 0, "cpu"), None)
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in SEQUENCES}
     for step, chunks in zip(steps(), CHUNKS):
@@ -103,9 +103,9 @@ def allocated_pools(args, par, control) -> dict[str, int]:
             "kv_tokens": [layer.latent.values.shape[0] for layer in shard.cache.mla]}    # per MLA layer
 
 
-def rank_main(spec, cases: list[tuple[str, str, int, int, int]], out: str, pool_args: dict) -> None:
-    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size), this rank's
-    shard runs the script (and the MTP layer, in one stage), then the engine loads the case (EngineArgs of
+def rank_main(spec, cases: list[tuple[str, str, int, int, int, int]], out: str, pool_args: dict) -> None:
+    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size, dcp_size), this
+    rank's shard runs the script (and the MTP layer, in one stage), then the engine loads the case (EngineArgs of
     pool_args) and allocates its pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
 
@@ -118,15 +118,16 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int]], out: str, pool_
     _, control = init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"),
                                      timeout_s=120)
     results = {}
-    for name, folder, tp, ep, pp in cases:
-        layout = ParallelLayout(tp, ep, spec.rank, pp)
+    for name, folder, tp, ep, pp, dcp in cases:
+        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp)
         par = Parallel(layout, tp_group(layout))
         model = load_model(folder, torch.float32, "cpu", par)
         results[name] = run_script(model, layout)
         results[name]["bytes_sent"] = dict(par.bytes_sent)
         if model.config.num_nextn_predict_layers and pp == 1:
             results[name]["mtp"] = mtp_logits(model)
-        pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, pp_size=pp, **pool_args), par,
+        pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, pp_size=pp, dcp_size=dcp,
+                                           **pool_args), par,
                                 control)
         gathered = [None] * spec.world_size
         dist.all_gather_object(gathered, pools, group=control)

@@ -112,9 +112,10 @@ def apply_ops(cache: HybridCache, ops: list[Op]) -> None:
                 state.conv[d] = state.conv[s]
                 state.recurrent[d] = state.recurrent[s]
         else:
-            rows = torch.arange(cache.page_size, device=device)
-            s = (torch.tensor(src, device=device).unsqueeze(1) * cache.page_size + rows).flatten()
-            d = (torch.tensor(dst, device=device).unsqueeze(1) * cache.page_size + rows).flatten()
+            per_page = cache.rows_per_page
+            rows = torch.arange(per_page, device=device)
+            s = (torch.tensor(src, device=device).unsqueeze(1) * per_page + rows).flatten()
+            d = (torch.tensor(dst, device=device).unsqueeze(1) * per_page + rows).flatten()
             for layer in cache.mla:
                 for paged in (layer.latent, layer.index_keys):
                     if paged is not None:

@@ -11,6 +11,7 @@ The KV pool caches the decoder's MLA layers only: the MTP layers get pages when 
 A STANDALONE draft model's caches mirror the pools (its state in every slot, its latents in every page), so its
 state per slot and KV per token add to the target's, and each running sequence also keeps up to draft-tokens
 copies of the draft's slot state to roll back to (`draft`).
+With decode context parallelism (dcp_size ranks) a rank stores page_size / dcp_size tokens of each page.
 A pipeline stage without KDA (or MLA) layers needs no state (or KV) memory: it puts no bound on that pool
 (`UNBOUNDED`), and the stages then agree on the others' (engine.ranks).
 """
@@ -52,6 +53,7 @@ class MemoryPlan:
     context_length: int
     draft_state_bytes_per_slot: int = 0   # a STANDALONE draft model's share of state_bytes_per_slot
     draft_kv_bytes_per_token: int = 0     # ... and of kv_bytes_per_token
+    dcp_size: int = 1                     # ranks each page's tokens are spread over (this rank stores 1 / dcp_size)
 
     @property
     def kv_tokens(self) -> int:
@@ -63,7 +65,8 @@ class MemoryPlan:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.kv_tokens * self.kv_bytes_per_token
+        """This rank's share of the pages."""
+        return self.kv_tokens // self.dcp_size * self.kv_bytes_per_token
 
     @property
     def verify_bytes(self) -> int:
@@ -78,7 +81,8 @@ class MemoryPlan:
             f"memory plan: {self.budget / gib:.2f} GiB of {self.device_memory / gib:.2f} GiB; "
             f"weights {self.weight_bytes / gib:.3f} GiB",
             f"  KV cache: {self.kv_bytes_per_token:,} B per token{mtp}, {self.kv_tokens:,} tokens in "
-            f"{self.num_pages:,} pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB)"
+            f"{self.num_pages:,} pages of {self.page_size} ({self.kv_pool_bytes / gib:.3f} GiB"
+            + (f" on this rank: 1/{self.dcp_size} of each page)" if self.dcp_size > 1 else ")")
             if self.kv_bytes_per_token else "  KV cache: none (no MLA layer)",
             f"  KDA state: {self.state_bytes_per_slot:,} B per slot, {self.num_slots:,} slots "
             f"({self.state_pool_bytes / gib:.3f} GiB)" if self.state_bytes_per_slot else "  KDA state: none (no KDA "
@@ -134,7 +138,8 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
             slots = state_budget // (per_slot + per_running)
     running = min(args.max_running_requests or slots, slots)
     kv_budget = rest - slots * per_slot - running * per_running
-    pages = max(kv_budget, 0) // (per_token * args.page_size) if per_token else UNBOUNDED
+    rows_per_page = args.page_size // args.dcp_size
+    pages = max(kv_budget, 0) // (per_token * rows_per_page) if per_token else UNBOUNDED
     if args.max_total_tokens is not None:
         pages = min(pages, args.max_total_tokens // args.page_size)
     if slots < 1 or pages < 1:
@@ -146,4 +151,5 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
                       kv_bytes_per_token=per_token, mtp_layers=mtp_layers, verify_tokens=verify,
                       token_state_bytes=token_state, num_slots=slots, num_pages=pages,
                       page_size=args.page_size, max_running_requests=running, context_length=context,
-                      draft_state_bytes_per_slot=draft_slot, draft_kv_bytes_per_token=draft_token)
+                      draft_state_bytes_per_slot=draft_slot, draft_kv_bytes_per_token=draft_token,
+                      dcp_size=args.dcp_size)

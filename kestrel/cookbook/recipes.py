@@ -141,6 +141,8 @@ def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, ext
         parts.append(f"--ep-size {layout.ep}")
     if layout.pp > 1:
         parts.append(f"--pp-size {layout.pp}")
+    if layout.dcp > 1:
+        parts.append(f"--dcp-size {layout.dcp}")
     parts += [f"--mem-fraction-static {request.mem_fraction}", f"--mamba-full-memory-ratio {ratio}",
               f"--mamba-ssm-dtype {'float32' if cache.ssm_dtype == 'fp32' else 'bfloat16'}",
               f"--kv-cache-dtype {'fp8_e4m3' if cache.kv_dtype == 'fp8' else 'auto'}"]

@@ -42,7 +42,7 @@ def test_recipe_by_id_and_by_flags(capsys):
     by_id = capsys.readouterr().out
     assert run("recipe", "--model", "k3", "--hardware", "b300", "--strategy", "balanced") == 0
     assert capsys.readouterr().out == by_id
-    assert "--mamba-full-memory-ratio 7.21" in by_id and "kestrel: no command" in by_id
+    assert "--mamba-full-memory-ratio 7.21" in by_id and "kestrel serve" in by_id and "--dcp-size 8" in by_id
     assert run("recipe", "--list") == 0
     assert "k3.1-tiny/cpu/unified/low-latency" in capsys.readouterr().out.splitlines()
 
@@ -58,7 +58,7 @@ def test_recipe_json(capsys):
     (("plan", "--tp", "7"), "not divisible by the attention TP size 7"),
     (("plan", "--batch", "1,x"), "--batch must be comma-separated integers"),
     (("recipe", "--hardware", "tpu7x"), "no recipe for tpu7x"),
-    (("verify", "k3/b300/unified/balanced"), "no kestrel command to run"),
+    (("verify", "k3/b300/unified/low-latency,hicache=host"), "no kestrel command to run"),
 ])
 def test_bad_input_raises_one_sentence(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -85,6 +85,6 @@ def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):
                "kestrel", "--batch", "1", "--json") == 0
     planned = json.loads(capsys.readouterr().out)
     assert max(per_rank) == per_rank[0] == planned["weight_bytes_per_rank_total"]
-    with pytest.raises(ValueError, match="dcp_size > 1 is not supported yet"):
-        run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dcp", "2", "--engine",
+    with pytest.raises(ValueError, match="dp_size > 1 is not supported yet"):
+        run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dp", "2", "--engine",
             "kestrel")

@@ -36,9 +36,7 @@ def test_b300_balanced_is_the_pages_cell_with_the_ratio_pinned():
     assert r.sglang_status == "Verified" and r.lane == "balanced"
     assert "--tensor-parallel-size 8" in r.commands["vllm"].lines[0]
     assert r.commands["vllm"].strategy == "single_node_tp"
-    assert r.refusals["kestrel"] == ("kestrel's engine cannot run TP8 x DCP8: dcp_size > 1 is not supported yet; "
-                                     "kestrel runs tensor, expert and pipeline parallelism (--tp-size, --ep-size, "
-                                     "--pp-size)")
+    assert "--tp-size 8 --dcp-size 8" in r.commands["kestrel"].lines[1]
     assert (r.nodes, r.per_node) == (1, 8)
 
 
@@ -67,7 +65,8 @@ def test_kestrel_commands_for_the_layouts_its_engine_runs():
                                    "--pp-size 1: a handoff moves one rank's caches), and this lane's decode instance "
                                    "is TP8 on 1 x 8"),
     ("k3/h200/decode/low-latency", "this lane's decode instance is TP16 x EP16 on 2 x 8"),
-    ("k3/b300/decode/balanced", "cannot run TP8 x DCP8"),
+    ("k3/b300/decode/balanced", "this lane's decode instance is TP8 x DCP8 on 1 x 8"),
+    ("k3/gb200/decode/high-throughput", "cannot run TP16 x DP2 x EP16 x DCP8: dp_size > 1 is not supported yet"),
     ("k3/b300/prefill/high-throughput", "this lane's prefill instance is TP1 x PP8 on 1 x 8"),
     ("k3/b300/unified/low-latency,spec=mtp", "not with a separate DSPARK or DFLASH draft model"),
     ("k3/b300/unified/low-latency,quant=nvfp4", "not nvfp4"),

@@ -114,8 +114,8 @@ def test_no_git_checkout_is_refused(tmp_path, monkeypatch):
 
 def test_verify_runs_only_what_kestrel_can_launch_here(use_repo, tmp_path):
     evidence = tmp_path / "evidence"
-    with pytest.raises(ValueError, match="has no kestrel command to run: kestrel's engine cannot run TP8 x DCP8"):
-        verify("k3/b300/unified/balanced", SMALL, evidence)
+    with pytest.raises(ValueError, match="has no kestrel command to run: kestrel's HiCache runs in one process"):
+        verify("k3/b300/unified/low-latency,hicache=host", SMALL, evidence)
     with pytest.raises(ValueError, match="kestrel verify runs the CPU recipes"):
         verify("k3/b300/unified/low-latency", SMALL, evidence)
     with pytest.raises(ValueError, match="one half of a PD deployment"):

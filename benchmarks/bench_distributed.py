@@ -1,4 +1,4 @@
-"""Communication of kestrel's tensor parallelism, and CPU throughput at TP1 against TP2 and PP2.
+"""Communication of kestrel's tensor parallelism, and CPU throughput at TP1 against TP2, TP2 x DCP2 and PP2.
 
 1. Bytes each rank puts into each collective per decode step and per prefill token, as the engine counts them
    (Parallel.bytes_sent) on small K3-shaped models at TP2 (gloo, 2 processes): K3-tiny (latent MoE, no indexer) and
@@ -7,7 +7,7 @@
    TP8 x EP8 (the same traffic: routed partials join the all-reduce) and DCP8 (analytic only: kestrel has no DCP),
    and the time a ring takes to move it on each catalogued interconnect (the roofline of `kestrel plan` adds it to
    every decode step).
-2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2 and PP2: 8 greedy requests of 64 prompt
+2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2, TP2 x DCP2 and PP2: 8 greedy requests of 64 prompt
    tokens and 64 output tokens, ROUNDS rounds per layout, best time kept.
 Writes the section "distributed" of docs/benchmarks.md.
 
@@ -142,11 +142,11 @@ def k3_traffic() -> tuple[list[list[object]], list[list[object]]]:
     return rows, times
 
 
-LAYOUTS = {"TP1": {}, "TP2": {"tp_size": 2}, "PP2": {"pp_size": 2}}
+LAYOUTS = {"TP1": {}, "TP2": {"tp_size": 2}, "TP2 x DCP2": {"tp_size": 2, "dcp_size": 2}, "PP2": {"pp_size": 2}}
 
 
 def throughput() -> list[list[object]]:
-    """Output tokens/s of the bundled model at TP1, TP2 and PP2, one layout after the other (a process joins one
+    """Output tokens/s of the bundled model at TP1, TP2, TP2 x DCP2 and PP2, one layout after the other (a process joins one
     distributed instance at a time), best of ROUNDS rounds each."""
     prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + PROMPT))} for i in range(REQUESTS)]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
@@ -172,7 +172,7 @@ def main() -> None:
     k3_rows, k3_times = k3_traffic()
     speed = throughput()
     body = "\n\n".join([
-        f"## Distributed: communication and TP / PP throughput\n\n`{COMMAND}` ({machine()})",
+        f"## Distributed: communication and TP / DCP / PP throughput\n\n`{COMMAND}` ({machine()})",
         "Bytes each rank puts into each collective (the input it contributes), counted by the engine "
         "(`Parallel.bytes_sent`) on two gloo ranks at TP2, float32, against `kestrel/distributed/traffic.py` for "
         f"the same model and step. Prefill: one {PREFILL}-token prompt, divided by its tokens.",
@@ -196,7 +196,10 @@ def main() -> None:
         "also pickles and broadcasts each step's batch, and the two ranks share the same two busy cores. TP "
         "exists for models whose weights do not fit one device; its speed case is on GPUs with NVLink. PP2 halves "
         "each rank's layers but a step still passes both stages in turn: its two micro-batches overlap the stages "
-        "for part of the step only (bubble 1/3 of a step), and each micro-batch pays its own per-op overhead.",
+        "for part of the step only (bubble 1/3 of a step), and each micro-batch pays its own per-op overhead. "
+        "DCP2 halves each rank's KV memory but adds up to seven collectives per MLA layer (the gathered queries, "
+        "index queries, head weights and index scores; the log-sum-exp merge's three all-reduces), and runs "
+        "attention in torch's padded absorbed form.",
     ])
     print(body)
     write_section("distributed", body)

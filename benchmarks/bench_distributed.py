@@ -4,7 +4,7 @@
    (Parallel.bytes_sent) on small K3-shaped models at TP2 (gloo, 2 processes): K3-tiny (latent MoE, no indexer) and
    K3.1-tiny (with the indexer), both with 64-wide MXFP4 experts (one block per rank), float32, against the
    formula of kestrel/distributed/traffic.py for the same model and step. Then the formula for K3 itself at TP8,
-   TP8 x EP8 (the same traffic: routed partials join the all-reduce) and DCP8 (analytic only: kestrel has no DCP),
+   TP8 x EP8 (the same traffic: routed partials join the all-reduce) and DCP8 (SGLang's exchange and kestrel's),
    and the time a ring takes to move it on each catalogued interconnect (the roofline of `kestrel plan` adds it to
    every decode step).
 2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2, TP2 x DCP2 and PP2: 8 greedy requests of 64 prompt
@@ -31,7 +31,8 @@ from kestrel.config import parse_config  # noqa: E402
 from kestrel.cookbook.hardware import catalog  # noqa: E402
 from kestrel.cookbook.model import resolve_config  # noqa: E402
 from kestrel.distributed.launch import RankSpec, Workers, _free_port  # noqa: E402
-from kestrel.distributed.traffic import Forward, comm_seconds, dcp_traffic, tp_traffic  # noqa: E402
+from kestrel.distributed.traffic import (Forward, comm_seconds, dcp_traffic, kestrel_dcp_traffic,  # noqa: E402
+                                         tp_traffic)
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 from kestrel.models.checkpoint import build_model, save_model  # noqa: E402
 from kestrel.models.init import init_weights  # noqa: E402
@@ -124,11 +125,17 @@ def k3_traffic() -> tuple[list[list[object]], list[list[object]]]:
     """K3's bytes per rank by the formula (bf16), and the time per decode step on each catalogued interconnect."""
     config = resolve_config("k3")
     decode, prefill = Forward.decode(K3_BATCH, K3_CONTEXT), Forward.prefill(8192)
-    layouts = {"TP8 (and TP8 x EP8)": 1, "TP8 x DCP8 (analytic; not implemented)": 8}
+    def sglang_dcp(forward: Forward) -> dict[str, int]:
+        return {**tp_traffic(config, 8, forward, 2), **dcp_traffic(config, 8, 8, forward, 2)}
+
+    def kestrel_dcp(forward: Forward) -> dict[str, int]:
+        return {**tp_traffic(config, 8, forward, 2, dcp=8), **kestrel_dcp_traffic(config, 8, forward, 2)}
+
+    layouts = {"TP8 (and TP8 x EP8)": lambda forward: tp_traffic(config, 8, forward, 2),
+               "TP8 x DCP8, SGLang's exchange": sglang_dcp, "TP8 x DCP8, kestrel's exchange": kestrel_dcp}
     rows, steps = [], {}
-    for name, dcp in layouts.items():
-        per_step = {**tp_traffic(config, 8, decode, 2), **dcp_traffic(config, 8, dcp, decode, 2)}
-        per_token = {**tp_traffic(config, 8, prefill, 2), **dcp_traffic(config, 8, dcp, prefill, 2)}
+    for name, traffic in layouts.items():
+        per_step, per_token = traffic(decode), traffic(prefill)
         rows += [[name, kind, f"{per_step[kind] / 1e6:,.2f} MB", f"{per_token[kind] / 8192:,.0f} B"]
                  for kind in per_step]
         steps[name] = per_step
@@ -179,13 +186,15 @@ def main() -> None:
         markdown_table(["model", "step", "collective", "counted", "formula", "equal"], measured),
         f"K3 by the same formula (bf16): a decode step of {K3_BATCH} sequences at {K3_CONTEXT:,} tokens, and per "
         "token of an 8,192-token prefill. EP8 moves what TP8 moves: kestrel's routed partials join the MoE "
-        "all-reduce (no all-to-all dispatch). DCP is not implemented: its rows are the formula of an SGLang-style "
-        "exchange on top of TP8's.",
+        "all-reduce (no all-to-all dispatch). DCP8 twice: SGLang's exchange (queries gathered, partial outputs "
+        "reduce-scattered; what the cookbook's roofline uses) and kestrel's (`kestrel_dcp_traffic`: queries, index "
+        "queries and index scores gathered, the log-sum-exp merge as fp32 all-reduces of every head's partial "
+        "output, so it moves more; the scores leave the TP all-reduce).",
         markdown_table(["layout", "collective", "per decode step", "per prefill token"], k3_rows),
         "Time a ring takes to move one such decode step at each catalogued device's scale-up bandwidth (the "
         "catalog's figure; NVLink's counts both directions), which `kestrel plan`'s roofline adds to each step:",
         markdown_table(["device", "scale-up bandwidth", *(f"{layout}, per decode step" for layout in
-                                                          ("TP8", "TP8 x DCP8"))], k3_times),
+                                                          ("TP8", "DCP8 (SGLang)", "DCP8 (kestrel)"))], k3_times),
         f"The bundled model through `kestrel.LLM`: {REQUESTS} greedy requests of {PROMPT} prompt and {OUTPUT} "
         f"output tokens, best of {ROUNDS} rounds per layout (one layout after the other: a process joins one "
         f"distributed instance at a time); rank 0 keeps {THREADS} torch thread, the spawned "

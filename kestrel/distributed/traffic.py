@@ -96,8 +96,9 @@ def kestrel_dcp_traffic(config: ModelConfig, tp: int, forward: Forward, act_byte
 
 
 def dcp_traffic(config: ModelConfig, tp: int, dcp: int, forward: Forward, act_bytes: int) -> dict[str, int]:
-    """Analytic only (kestrel has no DCP): per MLA layer, this rank's heads' absorbed queries all-gathered over the
-    DCP group, and the group's heads' partial latent outputs with an fp32 log-sum-exp each reduce-scattered back."""
+    """SGLang's exchange, analytic (the cookbook's roofline; kestrel's own is kestrel_dcp_traffic): per MLA layer,
+    this rank's heads' absorbed queries all-gathered over the DCP group, and the group's heads' partial latent
+    outputs with an fp32 log-sum-exp each reduce-scattered back."""
     if dcp == 1:
         return {}
     heads = config.num_attention_heads // tp

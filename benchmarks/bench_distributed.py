@@ -7,8 +7,8 @@
    TP8 x EP8 (the same traffic: routed partials join the all-reduce) and DCP8 (SGLang's exchange and kestrel's),
    and the time a ring takes to move it on each catalogued interconnect (the roofline of `kestrel plan` adds it to
    every decode step).
-2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2, TP2 x DCP2 and PP2: 8 greedy requests of 64 prompt
-   tokens and 64 output tokens, ROUNDS rounds per layout, best time kept.
+2. The bundled model (models/k3.1-tiny) through kestrel.LLM at TP1, TP2, TP2 x DCP2 and PP2: 8 greedy requests of
+   64 prompt tokens and 64 output tokens, ROUNDS rounds per layout, best time kept.
 Writes the section "distributed" of docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py
@@ -153,8 +153,8 @@ LAYOUTS = {"TP1": {}, "TP2": {"tp_size": 2}, "TP2 x DCP2": {"tp_size": 2, "dcp_s
 
 
 def throughput() -> list[list[object]]:
-    """Output tokens/s of the bundled model at TP1, TP2, TP2 x DCP2 and PP2, one layout after the other (a process joins one
-    distributed instance at a time), best of ROUNDS rounds each."""
+    """Output tokens/s of the bundled model at TP1, TP2, TP2 x DCP2 and PP2, one layout after the other (a process
+    joins one distributed instance at a time), best of ROUNDS rounds each."""
     prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + PROMPT))} for i in range(REQUESTS)]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
     best = dict.fromkeys(LAYOUTS, float("inf"))

@@ -149,7 +149,7 @@ class ParallelLayout:
 
     def cache_config(self, config: ModelConfig) -> ModelConfig:
         """The config whose caches one rank holds: its stage's layers (the MTP layers on the last stage only), its
-        KDA heads' state (MLA latents are replicated under TP)."""
+        KDA heads' state (MLA latents are replicated under TP; DCP splits them by position, HybridCache.dcp_size)."""
         layers = self.stage_layers(config.num_hidden_layers)
         return dataclasses.replace(config, kda_num_heads=config.kda_num_heads // self.tp_size,
                                    num_hidden_layers=len(layers),

@@ -58,9 +58,9 @@ class ParallelLayout:
             if bad:
                 raise ValueError(f"{what} is not supported yet; kestrel runs tensor, expert, pipeline and decode "
                                  "context parallelism (--tp-size, --ep-size, --pp-size, --dcp-size).")
-        if args.pp_size > 1 and args.speculative_algorithm not in ("none", "NGRAM"):
-            raise ValueError("model drafters do not run over pipeline stages yet; drop --pp-size or use "
-                             "--speculative-algorithm NGRAM.")
+        if args.pp_size > 1 and args.speculative_algorithm in ("NEXTN", "DFLASH"):
+            raise ValueError("drafters that read the target's hidden states do not run over pipeline stages yet; "
+                             "drop --pp-size or use --speculative-algorithm NGRAM or STANDALONE.")
         if args.dcp_size > 1 and args.page_size % args.dcp_size:
             raise ValueError(f"--page-size {args.page_size} must be a multiple of --dcp-size {args.dcp_size} (each "
                              "rank holds page_size / dcp_size tokens of every page).")

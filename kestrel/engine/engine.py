@@ -63,10 +63,10 @@ class LLMEngine:
             graphs = False
             log.info("decode: CUDA graphs and compiled steps are not used with model drafters yet (they read every "
                      "step's hidden states)")
-        if args.speculative_algorithm in ("NEXTN", "DFLASH", "STANDALONE") and self.ranks:
+        if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
             self.shutdown()
             raise ValueError(f"the {args.speculative_algorithm} drafter runs in one process for now; drop --tp-size "
-                             "or use NGRAM.")
+                             "or use NGRAM or STANDALONE.")
         if graphs and self.ranks:
             log.info("decode: CUDA graphs and compiled steps are not used with more than one rank yet; decoding "
                      "eagerly")

@@ -71,7 +71,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     draft = None
     if args.speculative_algorithm == "DFLASH":
         draft = load_block_draft(args.speculative_draft_model_path, dtype, device)
-    elif args.speculative_algorithm == "STANDALONE":
+    elif args.speculative_algorithm == "STANDALONE" and par.layout.rank == 0:    # it drafts in rank 0's process
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
     if draft is not None:
         weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}

@@ -47,12 +47,16 @@ def test_pp2_greedy_tokens_equal_one_process(expected):
 
 def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests(expected):
     """The bundled model at TP2 (its MXFP4 experts' 96-wide intermediate split 64 + 32) with its MLA cache split
-    by position over both ranks (DCP2), mixed-length prompts with chunked prefill, then decode; then SIGKILL the
-    spawned rank (one group for both, to keep the suite short). `kestrel serve --tp-size 2` runs without DCP."""
-    llm = LLM(str(BUNDLED_MODEL), tp_size=2, dcp_size=2, **ARGS)
+    by position over both ranks (DCP2), mixed-length prompts with chunked prefill, then decode verifying the drafts
+    of a STANDALONE draft model in rank 0's process (the target itself: every draft is accepted); then SIGKILL the
+    spawned rank (one group for all, to keep the suite short). `kestrel serve --tp-size 2` runs without DCP."""
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, dcp_size=2, speculative_algorithm="STANDALONE",
+              speculative_draft_model_path=str(BUNDLED_MODEL), **ARGS)
     worker = llm.engine.ranks.workers.processes[0]
     try:
         assert tokens(llm) == expected
+        stats = llm.engine.spec_stats
+        assert stats.draft_tokens > 0 and stats.accepted_tokens == stats.draft_tokens
         assert llm.engine.scheduler.state_pool.num_slots == 8
         pages = llm.engine.scheduler.kv_pool.num_pages
         assert llm.engine.cache.mla[0].latent.values.shape[0] == pages * llm.engine.cache.page_size // 2

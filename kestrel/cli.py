@@ -114,9 +114,6 @@ def _serve(args: argparse.Namespace) -> int:
             raise UsageError("--dp-size runs one node's unified instances; for PD or several nodes start each "
                              "instance yourself and put `kestrel router` in front.")
         return run_dp(args.argv[args.argv.index("serve") + 1:], engine_args.dp_size, args.host, args.port)
-    if args.disaggregation_mode != "null" and (engine_args.tp_size, engine_args.pp_size) != (1, 1):
-        raise UsageError("--disaggregation-mode runs one process per instance for now (a handoff moves one rank's "
-                         "caches); drop --tp-size and --pp-size.")
     if not is_rank_zero(engine_args):      # another node's ranks, or torchrun's: they serve rank 0's steps
         return run_node(engine_args)
     name = args.served_model_name

@@ -1,4 +1,5 @@
-"""Rank 0's messages to the other ranks (each step's batch, then a stop), and agreeing on numbers across ranks."""
+"""Rank 0's messages to the other ranks (each step's batch, then a stop), their answers, and agreeing on numbers
+across ranks."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class StepChannel:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def gather(self, message: Any) -> list[Any] | None:
+        """Every rank's message, in rank order, on rank 0 (None on the others)."""
+        rank0 = dist.get_rank(self.group) == 0
+        out = [None] * dist.get_world_size(self.group) if rank0 else None
+        dist.gather_object(message, out, dst=0, group=self.group)
+        return out
 
 
 def agree_min(values: list[int], group: dist.ProcessGroup) -> list[int]:

@@ -17,7 +17,7 @@ import torch
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
 from .args import EngineArgs
-from .cache.device_ops import DeviceOps, apply_ops
+from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
 from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
@@ -77,6 +77,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self.model, self.plan, self.config, self.cache = shard.model, shard.plan, shard.model.config, shard.cache
+        self.handoff_cache = shard.handoff_cache
         self.tokenizer = Tokenizer.from_folder_or_none(folder)
         if self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -203,7 +204,7 @@ class LLMEngine:
                              f"context length of {self.context_length} tokens.")
         pages = self.scheduler.kv_pool.pages_for(len(ids))
         spec = {name: (t.shape, t.dtype) for name, t in handoff.tensors.items()}
-        if handoff.num_pages != pages or spec != handoff_spec(self.cache, pages) or \
+        if handoff.num_pages != pages or spec != handoff_spec(self.handoff_cache, pages) or \
                 not 0 <= handoff.first_token < self.config.vocab_size:
             raise ValueError("the state handed over does not fit this engine's caches (another model, dtype or page "
                              "size).")
@@ -234,8 +235,6 @@ class LLMEngine:
     def _check_handoff(self, params: SamplingParams) -> None:
         if params.n != 1:
             raise ValueError("a request split between prefill and decode instances must have n=1.")
-        if (self.args.tp_size, self.args.pp_size, self.args.dcp_size) != (1, 1, 1):
-            raise ValueError("prefill/decode disaggregation runs with one process per instance for now.")
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         """A ValueError for a request that could never be admitted, even into an idle engine."""
@@ -577,15 +576,13 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _hand_off(self, seq: Sequence) -> None:
-        """Read seq's state and prompt pages (after every cache write journaled before) for its handoff."""
+        """Read seq's state and prompt pages (after every cache write journaled before) for its handoff, in one
+        process's layout (gathered from every rank of a distributed instance)."""
         request, pages = seq.request, seq.pages[:self.scheduler.kv_pool.pages_for(seq.num_computed)]
-
-        def put(tensors: dict[str, torch.Tensor]) -> None:
-            request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages),
-                                    seq.logprobs[0] if seq.logprobs else None,
-                                    seq.generator.get_state() if seq.generator is not None else None))
-        self.runner.ops.save(handoff_parts(seq.slot, pages), put)
-        apply_ops(self.cache, self.runner.ops.take())
+        tensors = self.runner.save(handoff_parts(seq.slot, pages))
+        request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages),
+                                seq.logprobs[0] if seq.logprobs else None,
+                                seq.generator.get_state() if seq.generator is not None else None))
 
     def _logprob_entry(self, result: SampleResult, row: int, num_top: int) -> TokenLogprobs:
         """The chosen token's raw logprob and rank, plus the top num_top alternatives."""

@@ -18,7 +18,9 @@ from ..distributed.pipeline import StageLink, micro_batches
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
-from .cache.device_ops import DeviceOps, Op, apply_ops
+from .cache.device_ops import DeviceOps, Op, Part, apply_ops, read_parts
+from .cache.hicache import Entry
+from .cache.shards import gather_entry, shard_entry
 from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
@@ -40,6 +42,15 @@ class Step:
     verify: bool = False       # a speculative verification: KDA keeps every token's state (ForwardBatch)
 
 
+@dataclass(frozen=True)
+class Save:
+    """Read cache parts on every rank (after applying the cache copies journaled since the last step), for rank 0
+    to gather: a PD handoff's state."""
+
+    ops: list[Op]
+    parts: list[Part]
+
+
 class RankFailure(RuntimeError):
     """A rank of a distributed instance failed; the instance cannot run any further step."""
 
@@ -47,7 +58,9 @@ class RankFailure(RuntimeError):
 class Peers(Protocol):
     """Rank 0's handle on the other ranks (engine.ranks.Ranks)."""
 
-    def send(self, step: Step) -> None: ...
+    def send(self, message: Step | Save) -> None: ...
+
+    def gather(self, entry: Entry) -> list[Entry]: ...
 
     def explain(self, error: BaseException) -> str: ...
 
@@ -101,6 +114,28 @@ class ModelRunner:
         except Exception as e:     # the ranks may now disagree about the caches: no step can run any more
             self.failure = f"the distributed instance stopped: {self.peers.explain(e)}"
             raise RankFailure(self.failure) from e
+
+    @torch.inference_mode()
+    def save(self, parts: list[Part]) -> Entry:
+        """CPU copies of parts after every cache write journaled so far, in the single-process layout (gathered
+        from every rank of a distributed instance: kestrel.engine.cache.shards)."""
+        if self.failure is not None:
+            raise RankFailure(self.failure)
+        message = Save(self.ops.take(), parts)
+        if self.peers is None:
+            return self.read(message)
+        try:
+            self.peers.send(message)
+            entries = self.peers.gather(self.read(message))
+        except Exception as e:
+            self.failure = f"the distributed instance stopped: {self.peers.explain(e)}"
+            raise RankFailure(self.failure) from e
+        return gather_entry(entries, self.model.par.layout, self.model.config)
+
+    def read(self, save: Save) -> Entry:
+        """This rank's share of save's parts."""
+        apply_ops(self.cache, save.ops)
+        return read_parts(self.cache, save.parts)
 
     @torch.inference_mode()
     def execute(self, step: Step) -> list[torch.Tensor | None]:
@@ -175,7 +210,9 @@ class ModelRunner:
                 for i in chunks if i in all_rows or i in samples}
 
     def _apply_changes(self, step: Step) -> None:
-        apply_ops(self.cache, step.ops)
+        layout, config = self.model.par.layout, self.model.config
+        apply_ops(self.cache, [(kind, a, [shard_entry(b[0], layout, config)]) if kind == "load" else (kind, a, b)
+                               for kind, a, b in step.ops])     # a handoff's state arrives in one process's layout
         for state in self.cache.kda:        # the last verification's states are committed: drop the rest
             state.token_states = None
         self.page_table.apply(step.table)

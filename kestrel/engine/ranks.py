@@ -33,7 +33,7 @@ from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, Save
 
 log = logging.getLogger("kestrel")
 
@@ -52,6 +52,8 @@ class RankShard:
     graphs: bool               # decode by CUDA graphs (one rank only); the pools then hold one scratch slot and page
     draft: BlockDraftModel | KimiForCausalLM | None = None   # DFLASH's block draft or STANDALONE's draft model,
     draft_cache: HybridCache | None = None                    # its weights (and caches) counted in the plan
+    handoff_cache: HybridCache | None = None   # the caches of one process's layout, which PD handoffs hold (with
+                                               # ranks: on the meta device, for their shapes)
 
 
 def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
@@ -110,7 +112,9 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
-    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache)
+    handoff_cache = cache if par.layout.world_size == 1 else HybridCache.allocate(
+        config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta")
+    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache)
 
 
 def _load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> KimiForCausalLM:
@@ -166,9 +170,13 @@ class Ranks:
             raise
         self.channel = StepChannel(self.control)
 
-    def send(self, step) -> None:
-        """Hand a model_runner.Step to every other rank."""
-        self.channel.send(step)
+    def send(self, message) -> None:
+        """Hand a model_runner.Step or Save to every other rank."""
+        self.channel.send(message)
+
+    def gather(self, entry) -> list:
+        """Every rank's answer to a Save (this one's first)."""
+        return self.channel.gather(entry)
 
     def dead(self) -> str | None:
         """Which ranks this process spawned have exited, if any, while the instance was meant to run."""
@@ -215,8 +223,11 @@ def run_rank(spec: RankSpec, args: EngineArgs) -> None:
         shard = load_shard(args, par, device, control)
         runner = ModelRunner(shard.model, shard.cache, shard.page_table, DeviceOps())
         channel = StepChannel(control)
-        while (step := channel.receive()) is not None:
-            runner.execute(step)
+        while (message := channel.receive()) is not None:
+            if isinstance(message, Save):
+                channel.gather(runner.read(message))
+            else:
+                runner.execute(message)
         dist.destroy_process_group()
     except BaseException:
         log.exception("rank %d failed", spec.rank)

@@ -11,7 +11,8 @@ import signal
 import pytest
 
 from kestrel import LLM
-from kestrel.engine.args import BUNDLED_MODEL
+from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
+from kestrel.engine.engine import LLMEngine
 from kestrel.engine.sampling import SamplingParams
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17)]
@@ -72,3 +73,29 @@ def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_reque
     assert not multiprocessing.active_children()
     with pytest.raises(ProcessLookupError):
         os.kill(worker.pid, 0)
+
+
+def test_pd_handoffs_between_instances_of_different_layouts(expected):
+    """A prefill instance at TP2 x DCP2 hands each prompt's state over gathered into one process's layout; a decode
+    instance at PP2 splits it over its stages and continues: one process's greedy tokens (chunked prompts)."""
+    prefill = LLMEngine(EngineArgs(model=str(BUNDLED_MODEL), tp_size=2, dcp_size=2, **ARGS))
+    handed = []
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            prefill.add_request(f"p{i}", prompt["prompt_token_ids"], GREEDY, handoff=handed.append)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+    finally:
+        prefill.shutdown()
+    decode = LLMEngine(EngineArgs(model=str(BUNDLED_MODEL), pp_size=2, **ARGS))
+    finals = {}
+    try:
+        for i, handoff in enumerate(sorted(handed, key=lambda h: len(h.prompt_ids))):
+            decode.add_prefilled_request(f"d{i}", handoff, GREEDY)
+        while decode.has_unfinished_requests():
+            finals |= {o.request_id: o.outputs[0].token_ids for o in decode.step() if o.finished}
+    finally:
+        decode.shutdown()
+    by_length = sorted(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]["prompt_token_ids"]))
+    assert [finals[f"d{j}"] for j in range(len(PROMPTS))] == [expected[i] for i in by_length]
+    assert not multiprocessing.active_children()

@@ -23,7 +23,9 @@ from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
-from tp_script import FORK_AT, SEQUENCES, forwards, mtp_logits, oracle, rank_main
+from kestrel.distributed.layout import ParallelLayout
+from kestrel.engine.model_runner import Save
+from tp_script import FORK_AT, SEQUENCES, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 """float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
@@ -97,6 +99,19 @@ def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, 
                                    msg=lambda m, name=name: f"sequence {name}: {m}")
     if single.config.num_nextn_predict_layers and pp == 1:
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
+
+
+@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
+def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp):
+    """Sequence A's state and pages, read on every rank and gathered (kestrel.engine.cache.shards), equal what one
+    process's caches hold after the same steps: what a PD handoff sends, in any layout."""
+    single = load_model(folders[model], torch.float32)
+    _, runner = run_script(single, ParallelLayout())
+    expected = runner.read(Save([], handoff_parts_of_a()))
+    got = rank_results[case_name(model, tp, ep, pp, dcp)]["handoff"]
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)

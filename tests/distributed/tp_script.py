@@ -12,7 +12,9 @@ import torch
 from kestrel.distributed.layout import ParallelLayout
 from kestrel.distributed.traffic import Forward
 from kestrel.engine.cache.page_table import PageTable
-from kestrel.engine.model_runner import ModelRunner, Step
+from kestrel.engine.cache.shards import gather_entry
+from kestrel.engine.handoff import handoff_parts
+from kestrel.engine.model_runner import ModelRunner, Save, Step
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.models.kimi import KimiForCausalLM
@@ -58,8 +60,14 @@ def forwards() -> list[Forward]:
                     max(c[1] + c[2] for c in chunks), sum(c[2] for c in chunks)) for chunks in CHUNKS]
 
 
-def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> dict[str, torch.Tensor]:
-    """Each sequence's logits [len, vocab] at every position, from the scripted steps on this rank's shard."""
+def handoff_parts_of_a() -> list:
+    """Sequence A's state slot and pages (a PD handoff's parts) after the script."""
+    return handoff_parts(SLOTS["A"], [ROW * SLOTS["A"] + i for i in range(-(-len(A) // PAGE))])
+
+
+def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> tuple[dict[str, torch.Tensor], ModelRunner]:
+    """Each sequence's logits [len, vocab] at every position, from the scripted steps on this rank's shard; and the
+    runner (its caches hold the script's sequences)."""
     cache = HybridCache.allocate(layout.cache_config(model.config), len(SLOTS), len(SLOTS) * ROW, PAGE,
                                  torch.float32, device="cpu", dcp_size=layout.dcp_size)
     runner = ModelRunner(model, cache, PageTable(len(SLOTS), ROW, 0, "cpu"), None)
@@ -71,7 +79,7 @@ def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> dict[str, torc
     out = {name: torch.cat(parts) for name, parts in rows.items() if parts}
     if runner.link is not None:
         out["stage_bytes_sent"] = dict(runner.link.bytes_sent)
-    return out
+    return out, runner
 
 
 @torch.inference_mode()
@@ -122,8 +130,11 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int]], out: str, 
         layout = ParallelLayout(tp, ep, spec.rank, pp, dcp)
         par = Parallel(layout, tp_group(layout))
         model = load_model(folder, torch.float32, "cpu", par)
-        results[name] = run_script(model, layout)
+        results[name], runner = run_script(model, layout)
         results[name]["bytes_sent"] = dict(par.bytes_sent)
+        entries = [None] * spec.world_size
+        dist.all_gather_object(entries, runner.read(Save([], handoff_parts_of_a())), group=control)
+        results[name]["handoff"] = gather_entry(entries, layout, model.config)
         if model.config.num_nextn_predict_layers and pp == 1:
             results[name]["mtp"] = mtp_logits(model)
         pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, pp_size=pp, dcp_size=dcp,

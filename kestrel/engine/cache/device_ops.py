@@ -75,7 +75,8 @@ def entry_spec(cache: HybridCache, parts: list[Part]) -> dict[str, tuple[torch.S
             for name, t in views[kind](cache, index).items()}
 
 
-def _read(cache: HybridCache, parts: list[Part]) -> Entry:
+def read_parts(cache: HybridCache, parts: list[Part]) -> Entry:
+    """CPU copies of parts, as one entry (see Part)."""
     readers = {"slot": slot_to_entry, "page": pages_to_entry}
     return {f"{i}.{name}": t for i, (kind, index) in enumerate(parts)
             for name, t in readers[kind](cache, index).items()}
@@ -92,7 +93,7 @@ def apply_ops(cache: HybridCache, ops: list[Op]) -> None:
     """Run the journaled copies on cache, in order."""
     for kind, src, dst in ops:
         if kind == "save":
-            dst[0](_read(cache, src))
+            dst[0](read_parts(cache, src))
             continue
         if kind == "load":
             _write(cache, src, dst[0])

@@ -341,8 +341,9 @@ class EntryMismatch(ValueError):
 
 
 def pages_to_entry(cache: HybridCache, page: int) -> Entry:
-    """CPU copies of one page's rows: "mla.{j}.latent" [page_size, D] (+ "mla.{j}.latent_scales" [page_size] fp32
-    when FP8), and likewise "mla.{j}.index_keys" when the layer has an indexer."""
+    """CPU copies of one page's rows: "mla.{j}.latent" [rows, D] (+ "mla.{j}.latent_scales" [rows] fp32 when FP8),
+    and likewise "mla.{j}.index_keys" when the layer has an indexer; rows: page_size, or this rank's share of them
+    under decode context parallelism."""
     return {name: view.to("cpu", copy=True) for name, view in page_views(cache, page).items()}
 
 
@@ -363,10 +364,13 @@ def entry_to_slot(cache: HybridCache, slot: int, tensors: Entry) -> None:
 
 def page_views(cache: HybridCache, page: int) -> Entry:
     """One page's rows in the cache itself (views, no copy), named as pages_to_entry names them."""
-    num_pages = cache.mla[0].latent.values.shape[0] // cache.page_size if cache.mla else 0
+    if not cache.mla:                    # a pipeline stage without MLA layers
+        return {}
+    per_page = cache.rows_per_page
+    num_pages = cache.mla[0].latent.values.shape[0] // per_page
     if not 0 <= page < num_pages:
         raise ValueError(f"page {page} is out of range; the cache has {num_pages} pages.")
-    rows = slice(page * cache.page_size, (page + 1) * cache.page_size)
+    rows = slice(page * per_page, (page + 1) * per_page)
     views = {}
     for j, layer in enumerate(cache.mla):
         for part, paged in (("latent", layer.latent), ("index_keys", layer.index_keys)):
@@ -379,7 +383,9 @@ def page_views(cache: HybridCache, page: int) -> Entry:
 
 def slot_views(cache: HybridCache, slot: int) -> Entry:
     """One slot's state in the cache itself (views, no copy), named as slot_to_entry names them."""
-    num_slots = cache.kda[0].conv.shape[0] if cache.kda else 0
+    if not cache.kda:                    # a pipeline stage without KDA layers
+        return {}
+    num_slots = cache.kda[0].conv.shape[0]
     if not 0 <= slot < num_slots:
         raise ValueError(f"slot {slot} is out of range; the cache has {num_slots} slots.")
     views = {}

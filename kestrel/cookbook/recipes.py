@@ -238,22 +238,25 @@ def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_
         raise RecipeRefused(f"kestrel's engine cannot run {planned.layout.describe()}: {str(e).rstrip('.')}.") from e
     if not kestrel_plan.fits:
         raise RecipeRefused(f"kestrel's plan of {planned.layout.describe()} does not fit: {kestrel_plan.fit_reason}.")
-    if request.mode != "unified":
-        raise RecipeRefused(rules["unsupported"]["pd_ranks"].format(mode=request.mode,
-                                                                    layout=planned.layout.describe(),
-                                                                    nodes=cell.nodes, per_node=cell.per_node) + ".")
     ratio = ratio_text(kestrel_plan.ratio)
     folder = f"models/{cell.model_path.rsplit('/', 1)[-1]}"
-    extra = [*_hicache_flags(request.hicache), f"--host 0.0.0.0 --port {rules['port']}"]
+    extra, router, pd_notes = _hicache_flags(request.hicache), [], []
+    if request.mode != "unified":
+        pd = rules["pd"]
+        extra.append(pd["role_flags"][request.mode])
+        router = [pd["gpu_router"]]
+        halves = {mode: replace(request, mode=mode).id for mode in ("prefill", "decode")}
+        pd_notes = [pd["gpu_note"].format(**halves), *_handoff_note(kestrel_plan)]
+    extra.append(f"--host 0.0.0.0 --port {rules['port']}")
     if cell.nodes > 1:
         extra.append(anchors()["sglang"]["multinode_flags"].format(nodes=cell.nodes))
     pools = kestrel_plan.pools
     summary = (f"kestrel's plan per rank: {kestrel_plan.weight_bytes_per_rank_total / 1e9:.1f} GB of weights, "
                f"{pools.state_slots:,} state slots, {pools.kv_tokens:,} KV tokens (ratio {ratio}, S = 1)")
     return EngineCommand(lines=[rules["download"].format(hf=cell.model_path, folder=folder),
-                                _kestrel_serve(folder, "cuda", kestrel_plan, ratio, extra)],
+                                _kestrel_serve(folder, "cuda", kestrel_plan, ratio, extra), *router],
                          strategy=f"{planned.layout.describe()} on {cell.nodes} x {cell.per_node}",
-                         notes=[summary, rules["radix_note"], rules["gpu_note"]]
+                         notes=[summary, rules["radix_note"], rules["gpu_note"], *pd_notes]
                          + (["run the same command on every node with its own --node-rank"] if cell.nodes > 1 else []))
 
 

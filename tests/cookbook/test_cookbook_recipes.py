@@ -61,19 +61,28 @@ def test_kestrel_commands_for_the_layouts_its_engine_runs():
 
 
 @pytest.mark.parametrize("recipe_id,reason", [
-    ("k3/b300/decode/low-latency", "run one process each for now (--disaggregation-mode needs --tp-size 1 and "
-                                   "--pp-size 1: a handoff moves one rank's caches), and this lane's decode instance "
-                                   "is TP8 on 1 x 8"),
-    ("k3/h200/decode/low-latency", "this lane's decode instance is TP16 x EP16 on 2 x 8"),
-    ("k3/b300/decode/balanced", "this lane's decode instance is TP8 x DCP8 on 1 x 8"),
     ("k3/gb200/decode/high-throughput", "cannot run TP16 x DP2 x EP16 x DCP8: dp_size > 1 is not supported yet"),
-    ("k3/b300/prefill/high-throughput", "this lane's prefill instance is TP1 x PP8 on 1 x 8"),
     ("k3/b300/unified/low-latency,spec=mtp", "not with a separate DSPARK or DFLASH draft model"),
     ("k3/b300/unified/low-latency,quant=nvfp4", "not nvfp4"),
     ("k3/b300/unified/low-latency,hicache=host", "HiCache runs in one process for now"),
     ("k3/mi355x/unified/balanced", "mi355x is neither")])
 def test_kestrel_refuses_what_its_engine_does_not_run(recipe_id, reason):
     assert reason in recipe(recipe_id).refusals["kestrel"]
+
+
+@pytest.mark.parametrize("recipe_id,role,layout", [
+    ("k3/b300/prefill/high-throughput", "--disaggregation-mode prefill --disaggregation-bootstrap-port 8998",
+     "--pp-size 8"),
+    ("k3/h200/decode/low-latency", "--disaggregation-mode decode", "--tp-size 16 --ep-size 16"),
+    ("k3/b300/decode/balanced", "--disaggregation-mode decode", "--tp-size 8 --dcp-size 8")])
+def test_pd_lanes_print_each_role_on_its_layout_and_the_router(recipe_id, role, layout):
+    """A PD instance runs any layout (its ranks gather and split a handoff's state): the role's kestrel serve line,
+    then the router in front of both halves."""
+    command = recipe(recipe_id).commands["kestrel"]
+    serve, router = command.lines[1], command.lines[2]
+    assert role in serve and layout in serve
+    assert router.startswith("kestrel router --pd-disaggregation --prefill http://<prefill-head-ip>:30000 8998")
+    assert any("splits it over its own ranks" in note for note in command.notes)
 
 
 def test_every_offered_sglang_command_pins_the_planners_ratio():

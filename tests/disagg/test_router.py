@@ -3,8 +3,8 @@
 Data parallel: two `kestrel serve` workers behind `--policy cache_aware`; a multi-turn chat session lands on one
 worker (its prefix cache hits, the other sees none of it); a worker that goes down is marked unhealthy while the
 router keeps answering, and is healthy again once it is back. PD: `--pd-disaggregation` over a prefill and a decode
-instance answers exactly as a unified server does (greedy; prompts longer than a prefill chunk, n > 1, batches, stop
-strings, streamed and non-streamed chat); a corrupted byte in transit and a decode side that dies mid-transfer
+instance (the prefill one at TP2 x DCP2: its ranks gather each handoff) answers exactly as a unified server does
+(greedy; prompts longer than a prefill chunk, n > 1, batches, stop strings, streamed and non-streamed chat); a corrupted byte in transit and a decode side that dies mid-transfer
 fail their request with a clear error and leave both sides' pools empty; a prefill instance killed while the decode
 side waits on it fails that request at once.
 """
@@ -25,7 +25,8 @@ from kestrel.disagg.wire import read_frame, write_frame
 from server_helpers import free_port
 from test_transport import corrupting_proxy
 
-SERVE_FLAGS = ["--page-size", "4", "--chunked-prefill-size", "8", "--disaggregation-timeout", "30"]
+SERVE_FLAGS = ["--page-size", "4", "--chunked-prefill-size", "8", "--disaggregation-timeout", "30",
+               "--dtype", "float32"]       # float32: the TP2 x DCP2 prefill instance's state rounds as one process's
 PROMPT = "ROMEO: My lord, the king is dead, and all his men are fled. JULIET:"
 SESSION = ["Tell me about the king.", "And what of the queen?", "Who rules after them?"]
 
@@ -73,7 +74,8 @@ def router(*flags: str) -> Proc:
 def fleet():
     bootstrap = free_port()
     servers = {"u1": kestrel(), "u2": kestrel(),
-               "p": kestrel("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)),
+               "p": kestrel("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
+                            "--tp-size", "2", "--dcp-size", "2"),
                "d": kestrel("--disaggregation-mode", "decode")}
     procs = dict(servers)
     try:

@@ -11,7 +11,7 @@ import zlib
 import torch
 
 from ..engine.handoff import Handoff
-from ..engine.outputs import Logprob
+from ..engine.outputs import Logprob, TokenLogprobs
 
 GENERATOR = "generator"
 """The tensor name a seeded request's generator state travels under (no cache tensor is named so)."""
@@ -57,10 +57,9 @@ async def write_handoff(writer: asyncio.StreamWriter, handoff: Handoff) -> int:
     tensors = handoff.tensors if handoff.generator_state is None else \
         {**handoff.tensors, GENERATOR: handoff.generator_state}
     raws = {name: _raw(t) for name, t in tensors.items()}
-    logprobs = None if handoff.first_logprobs is None else \
-        [[token, e.logprob, e.rank, e.decoded_token] for token, e in handoff.first_logprobs.items()]
+    prompt = None if handoff.prompt_logprobs is None else [_entry_out(e) for e in handoff.prompt_logprobs]
     header = {"prompt_ids": handoff.prompt_ids, "first_token": handoff.first_token, "num_pages": handoff.num_pages,
-              "first_logprobs": logprobs,
+              "first_logprobs": _entry_out(handoff.first_logprobs), "prompt_logprobs": prompt,
               "tensors": [{"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                            "nbytes": raws[name].nbytes, "crc32": zlib.crc32(raws[name])}
                           for name, t in tensors.items()]}
@@ -88,12 +87,22 @@ async def read_handoff(reader: asyncio.StreamReader, header: dict) -> Handoff:
                                  "prefill instance sent); the request was not continued.")
         tensors[spec["name"]] = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(spec["shape"]) \
             if buffer else torch.empty(spec["shape"], dtype=dtype)
-    logprobs = header.get("first_logprobs")
-    if logprobs is not None:
-        try:
-            logprobs = {int(token): Logprob(float(value), rank, text) for token, value, rank, text in logprobs}
-        except (TypeError, ValueError):
-            raise TransferError("the prefill instance sent malformed logprobs.") from None
+    try:
+        logprobs = _entry_in(header.get("first_logprobs"))
+        prompt = header.get("prompt_logprobs")
+        prompt = None if prompt is None else [_entry_in(e) for e in prompt]
+    except (TypeError, ValueError):
+        raise TransferError("the prefill instance sent malformed logprobs.") from None
     generator = tensors.pop(GENERATOR, None)
     return Handoff(list(header["prompt_ids"]), int(header["first_token"]), tensors, int(header["num_pages"]),
-                   logprobs, generator)
+                   logprobs, generator, prompt)
+
+
+def _entry_out(entry: TokenLogprobs | None) -> list | None:
+    """One position's logprob entry as JSON: [[token, logprob, rank, text], ...] (None stays None)."""
+    return None if entry is None else [[token, e.logprob, e.rank, e.decoded_token] for token, e in entry.items()]
+
+
+def _entry_in(entry: list | None) -> TokenLogprobs | None:
+    return None if entry is None else {int(token): Logprob(float(value), rank, text)
+                                       for token, value, rank, text in entry}

@@ -190,8 +190,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
         self._check_handoff(params)
-        if params.prompt_logprobs is not None:
-            raise ValueError("a request continued from a prefill instance cannot ask for prompt logprobs.")
+        if params.prompt_logprobs is not None and handoff.prompt_logprobs is None:
+            raise ValueError("the request asks for prompt logprobs, but the prefill instance sent none.")
         if params.logprobs is not None and handoff.first_logprobs is None:
             raise ValueError("the request asks for logprobs, but the prefill instance sent none for its first token.")
         if params.structured_outputs is not None and self.grammars is None:
@@ -209,6 +209,8 @@ class LLMEngine:
             raise ValueError("the state handed over does not fit this engine's caches (another model, dtype or page "
                              "size).")
         request = Request(request_id, None, ids, params, next(self._arrivals), priority)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = list(handoff.prompt_logprobs)
         self.requests[request_id] = request
         seq = self._new_sequence(request)
         seq.prefilled = handoff
@@ -582,7 +584,8 @@ class LLMEngine:
         tensors = self.runner.save(handoff_parts(seq.slot, pages))
         request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages),
                                 seq.logprobs[0] if seq.logprobs else None,
-                                seq.generator.get_state() if seq.generator is not None else None))
+                                seq.generator.get_state() if seq.generator is not None else None,
+                                request.prompt_logprobs))
 
     def _logprob_entry(self, result: SampleResult, row: int, num_top: int) -> TokenLogprobs:
         """The chosen token's raw logprob and rank, plus the top num_top alternatives."""

@@ -27,6 +27,7 @@ class Handoff:
     num_pages: int
     first_logprobs: TokenLogprobs | None = None    # the first token's logprob entry, when the request asked for them
     generator_state: torch.Tensor | None = None    # a seeded request's generator after the first token (uint8)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token (None first), when asked for
 
 
 def handoff_parts(slot: int, pages: list[int]) -> list[Part]:

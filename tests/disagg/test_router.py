@@ -155,12 +155,15 @@ def streamed_generate(url: str, body: dict) -> list[dict]:
     return [last[i] for i in sorted(last)]
 
 
-def test_logprobs_through_the_pd_router_equal_one_servers(fleet):
-    """The first token's logprobs travel with the handoff; the rest come from the decode instance."""
+@pytest.mark.parametrize("echo", [False, True])
+def test_logprobs_through_the_pd_router_equal_one_servers(fleet, echo):
+    """The first token's logprobs travel with the handoff, and with echo the prompt's (computed by the prefill
+    instance); the rest come from the decode instance."""
     procs, _ = fleet
-    body = {"model": "k3.1-tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    body = {"model": "k3.1-tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2, "echo": echo}
     pd, one = (post(procs[name].url, "/v1/completions", body).json()["choices"][0] for name in ("pd", "u1"))
     assert pd["text"] == one["text"] and pd["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+    assert len(one["logprobs"]["tokens"]) > (20 if echo else 0) + 5 - 1
     assert pd["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
 
 

@@ -37,7 +37,8 @@ def sample_handoff() -> Handoff:
                "1.mla.0.index_k": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
                "1.mla.0.scale": torch.rand(4, 1, generator=g)}
     return Handoff([5, 6, 7], 9, tensors, 1, {9: Logprob(-0.25, 1, "ab"), 4: Logprob(-1.5, 2, None)},
-                   torch.Generator().manual_seed(3).get_state())
+                   torch.Generator().manual_seed(3).get_state(),
+                   [None, {6: Logprob(-0.5, 1, "c")}, {7: Logprob(-3.0, 4, None), 1: Logprob(-0.1, 1, "d")}])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -72,6 +73,7 @@ def test_handoff_arrives_bitwise_equal_in_either_order():
         for received in (got, got2):
             assert (received.prompt_ids, received.first_token, received.num_pages) == ([5, 6, 7], 9, 1)
             assert received.first_logprobs == sent.first_logprobs
+            assert received.prompt_logprobs == sent.prompt_logprobs
             assert same_bits(received.generator_state, sent.generator_state)
             assert received.tensors.keys() == sent.tensors.keys()
             assert all(same_bits(received.tensors[k], t) for k, t in sent.tensors.items())

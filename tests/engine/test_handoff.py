@@ -64,6 +64,26 @@ def test_prefill_then_decode_equals_one_engine(engines, model_dir):
     assert_idle(decoder.scheduler)
 
 
+def test_prompt_logprobs_computed_by_the_prefill_side_reach_the_decode_sides_output(engines, model_dir):
+    """A chunked prompt's logprobs (every position's, top 2) travel with the handoff; the decode side's output
+    carries them as one engine's does, and a handoff without them is refused for a request that asks."""
+    prefiller, decoder = engines
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    ids = prompt(5, 19)
+    one = LLM(str(model_dir), page_size=PAGE).generate({"prompt_token_ids": ids}, params)[0]
+    handoff = prefill(prefiller, "pl", ids, params)
+    assert len(handoff.prompt_logprobs) == len(ids) and handoff.prompt_logprobs[0] is None
+    decoder.add_prefilled_request("pl", handoff, params)
+    got = run(decoder)["pl"]
+    assert got.outputs[0].token_ids == one.outputs[0].token_ids
+    assert [None if e is None else sorted(e) for e in got.prompt_logprobs] == \
+        [None if e is None else sorted(e) for e in one.prompt_logprobs]
+    for mine, theirs in zip(got.prompt_logprobs[1:], one.prompt_logprobs[1:]):
+        assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-5 for t in theirs)
+    with pytest.raises(ValueError, match="asks for prompt logprobs, but the prefill instance sent none"):
+        decoder.add_prefilled_request("none", prefill(prefiller, "np", ids, greedy(3)), params)
+
+
 def test_the_decode_side_holds_exactly_what_the_prefill_side_sent(engines):
     prefiller, decoder = engines
     handoff = prefill(prefiller, "bits", prompt(4, 21), greedy())

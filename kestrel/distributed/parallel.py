@@ -26,6 +26,14 @@ class Parallel:
         self.via_host = via_host      # GPU tensors go through host memory (gloo between ranks sharing a GPU)
         self.bytes_sent: Counter[str] = Counter()
 
+    @classmethod
+    def for_shapes(cls, layout: ParallelLayout) -> Parallel:
+        """A rank's Parallel without process groups, to build its modules on the meta device (their shapes and
+        bytes); its collectives must never run."""
+        par = cls()
+        par.layout = layout
+        return par
+
     @property
     def tp_size(self) -> int:
         return self.layout.tp_size

@@ -85,6 +85,14 @@ def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):
                "kestrel", "--batch", "1", "--json") == 0
     planned = json.loads(capsys.readouterr().out)
     assert max(per_rank) == per_rank[0] == planned["weight_bytes_per_rank_total"]
+    assert main(["inspect", str(BUNDLED_MODEL), "--tp-size", "2", "--pp-size", "2", "--json"]) == 0
+    staged = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]
+    assert run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--pp", "2", "--engine",
+               "kestrel", "--batch", "1", "--json") == 0
+    assert len(staged) == 4 and max(staged) == json.loads(capsys.readouterr().out)["weight_bytes_per_rank_total"]
+    assert main(["inspect", str(BUNDLED_MODEL), "--tp-size", "2", "--json"]) == 0
+    tp2 = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]
+    assert sum(staged) == sum(tp2) and 0 < sum(staged[:2]) < sum(tp2)     # the two stages split TP2's weights
     with pytest.raises(ValueError, match="dp_size > 1 is not supported yet"):
         run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dp", "2", "--engine",
             "kestrel")

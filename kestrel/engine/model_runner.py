@@ -134,7 +134,7 @@ class ModelRunner:
 
     def read(self, save: Save) -> Entry:
         """This rank's share of save's parts."""
-        apply_ops(self.cache, save.ops)
+        self._apply_ops(save.ops)
         return read_parts(self.cache, save.parts)
 
     @torch.inference_mode()
@@ -209,10 +209,14 @@ class ModelRunner:
                                 device=self.device)
                 for i in chunks if i in all_rows or i in samples}
 
-    def _apply_changes(self, step: Step) -> None:
+    def _apply_ops(self, ops: list[Op]) -> None:
+        """Run journaled cache copies on this rank (a loaded entry comes in one process's layout: its share)."""
         layout, config = self.model.par.layout, self.model.config
         apply_ops(self.cache, [(kind, a, [shard_entry(b[0], layout, config)]) if kind == "load" else (kind, a, b)
-                               for kind, a, b in step.ops])     # a handoff's state arrives in one process's layout
+                               for kind, a, b in ops])
+
+    def _apply_changes(self, step: Step) -> None:
+        self._apply_ops(step.ops)
         for state in self.cache.kda:        # the last verification's states are committed: drop the rest
             state.token_states = None
         self.page_table.apply(step.table)

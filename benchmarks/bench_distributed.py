@@ -129,7 +129,7 @@ def k3_traffic() -> tuple[list[list[object]], list[list[object]]]:
         return {**tp_traffic(config, 8, forward, 2), **dcp_traffic(config, 8, 8, forward, 2)}
 
     def kestrel_dcp(forward: Forward) -> dict[str, int]:
-        return {**tp_traffic(config, 8, forward, 2, dcp=8), **kestrel_dcp_traffic(config, 8, forward, 2)}
+        return {**tp_traffic(config, 8, forward, 2, dcp=8), **kestrel_dcp_traffic(config, 8, 8, forward, 2)}
 
     layouts = {"TP8 (and TP8 x EP8)": lambda forward: tp_traffic(config, 8, forward, 2),
                "TP8 x DCP8, SGLang's exchange": sglang_dcp, "TP8 x DCP8, kestrel's exchange": kestrel_dcp}

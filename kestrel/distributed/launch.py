@@ -98,7 +98,30 @@ def init_process_groups(spec: RankSpec, layout: ParallelLayout, device: torch.de
     dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.world_size, rank=spec.rank,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Parallel(layout, tp_group(layout), via_host=shared_gpu), control
+    return Parallel(layout, tp_group(layout), via_host=shared_gpu, dcp_groups=dcp_groups(layout)), control
+
+
+def dcp_groups(layout: ParallelLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's DCP group (dcp_size consecutive ranks of its TP group) and the ranks of its TP group that hold
+    the same positions (one per DCP group); None for a single rank (every rank calls this together)."""
+    tp, dcp = layout.tp_size, layout.dcp_size
+    if dcp == 1:
+        return None, None
+    if dcp == tp and layout.pp_size == 1:
+        return dist.group.WORLD, None
+    base, group, cross = layout.pp_rank * tp, None, None
+    for stage in range(layout.pp_size):
+        first = stage * tp
+        for g in range(tp // dcp):
+            made = dist.new_group([first + g * dcp + i for i in range(dcp)])
+            if first == base and g == layout.tp_rank // dcp:
+                group = made
+        if tp > dcp:
+            for d in range(dcp):
+                made = dist.new_group([first + g * dcp + d for g in range(tp // dcp)])
+                if first == base and d == layout.dcp_rank:
+                    cross = made
+    return group, cross
 
 
 def tp_group(layout: ParallelLayout) -> dist.ProcessGroup | None:

@@ -11,8 +11,9 @@ split `moe_tp_size = tp_size / ep_size` ways:
     rank r: pp_rank = r // tp_size, tp_rank = r % tp_size, ep_rank = tp_rank // moe_tp_size,
             moe_tp_rank = tp_rank % moe_tp_size
 
-Decode context parallelism (`dcp_size`, equal to tp_size: the DCP group is the TP group) splits the MLA cache by
-token: position p of every sequence is stored on the TP rank p % dcp_size only (kestrel.layers.dcp).
+Decode context parallelism (`dcp_size`, dividing tp_size) splits the MLA cache by token: the TP group's ranks form
+DCP groups of dcp_size consecutive ranks, and position p of every sequence is stored on the ranks whose
+dcp_rank = tp_rank % dcp_size is p % dcp_size (kestrel.layers.dcp).
 Data-parallel attention is not implemented; `from_args` refuses it (its ranks would extend this layout, with the
 TP group as the innermost axis).
 """
@@ -44,9 +45,9 @@ class ParallelLayout:
                              "runs over the tensor-parallel ranks.")
         if self.pp_size < 1:
             raise ValueError(f"pp_size must be at least 1, got {self.pp_size}.")
-        if self.dcp_size not in (1, self.tp_size):
-            raise ValueError(f"dcp_size ({self.dcp_size}) must be 1 or tp_size ({self.tp_size}): kestrel's decode "
-                             "context parallelism runs over the whole TP group.")
+        if self.dcp_size < 1 or self.tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size ({self.dcp_size}) must divide tp_size ({self.tp_size}): decode context "
+                             "parallelism splits the TP group.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a layout of {self.world_size} ranks.")
 
@@ -79,6 +80,11 @@ class ParallelLayout:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        """Which share of every page's positions this rank holds (p % dcp_size == dcp_rank)."""
+        return self.tp_rank % self.dcp_size
 
     @property
     def pp_rank(self) -> int:

@@ -15,14 +15,17 @@ from .layout import ParallelLayout
 
 
 class Parallel:
-    """The layout and the TP group of this rank's stage (None when it has one rank)."""
+    """The layout and the TP group of this rank's stage (None when it has one rank); with decode context
+    parallelism, the rank's DCP group and the group of its TP group's ranks that hold the same positions."""
 
     def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None,
-                 via_host: bool = False):
+                 via_host: bool = False, dcp_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+                 = (None, None)):
         if layout.tp_size > 1 and group is None:
             raise ValueError("a tensor-parallel layout needs its process group.")
         self.layout = layout
         self.group = group
+        self.dcp_group, self.cross_group = dcp_groups
         self.via_host = via_host      # GPU tensors go through host memory (gloo between ranks sharing a GPU)
         self.bytes_sent: Counter[str] = Counter()
 
@@ -38,29 +41,40 @@ class Parallel:
     def tp_size(self) -> int:
         return self.layout.tp_size
 
-    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-                   kind: str = "all_reduce") -> torch.Tensor:
-        """The sum (or op) of x over the TP ranks (x contiguous, reduced in place and returned); counted as kind."""
-        if self.group is None:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the TP ranks (x contiguous, reduced in place and returned)."""
+        return self._all_reduce(x, dist.ReduceOp.SUM, self.group, "all_reduce")
+
+    def dcp_all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """The sum (or op) of x over the DCP group (in place)."""
+        return self._all_reduce(x, op, self.dcp_group, "dcp_all_reduce")
+
+    def cross_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the TP group's ranks that hold the same positions as this one (in place)."""
+        return self._all_reduce(x, dist.ReduceOp.SUM, self.cross_group, "dcp_all_reduce")
+
+    def dcp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every DCP rank's x (the same shape on all) stacked in rank order: [dcp, *x.shape]."""
+        if self.dcp_group is None:
+            return x.unsqueeze(0)
+        x = x.contiguous()
+        self.bytes_sent["dcp_all_gather"] += x.nbytes
+        host = x.cpu() if self.via_host else x
+        parts = [torch.empty_like(host) for _ in range(self.layout.dcp_size)]
+        dist.all_gather(parts, host, group=self.dcp_group)
+        return torch.stack(parts).to(x.device)
+
+    def _all_reduce(self, x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None,
+                    kind: str) -> torch.Tensor:
+        if group is None:
             return x
         self.bytes_sent[kind] += x.nbytes
         if self.via_host:
             host = x.cpu()
-            dist.all_reduce(host, op=op, group=self.group)
+            dist.all_reduce(host, op=op, group=group)
             return x.copy_(host)
-        dist.all_reduce(x, op=op, group=self.group)
+        dist.all_reduce(x, op=op, group=group)
         return x
-
-    def gather_ranks(self, x: torch.Tensor, kind: str = "dcp_all_gather") -> torch.Tensor:
-        """Every TP rank's x (the same shape on all) stacked in rank order: [tp, *x.shape]; counted as kind."""
-        if self.group is None:
-            return x.unsqueeze(0)
-        x = x.contiguous()
-        self.bytes_sent[kind] += x.nbytes
-        host = x.cpu() if self.via_host else x
-        parts = [torch.empty_like(host) for _ in range(self.tp_size)]
-        dist.all_gather(parts, host, group=self.group)
-        return torch.stack(parts).to(x.device)
 
     def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate along the last dim every rank's x [..., sizes[rank]] -> [..., sum(sizes)] (parts may differ

@@ -12,11 +12,12 @@ and activations of `act_bytes`, on TP > 1 ranks; every rank contributes:
 Between pipeline stages (pp_traffic), each rank of a stage sends the next stage's rank in its place the residual
 stream entering that stage's first layer (with AttnRes, every block summary finished so far plus the partial sum),
 T x hidden each; the last stage's first TP rank sends rank 0 the R x vocab fp32 logits.
-With kestrel's decode context parallelism (DCP = TP, kestrel.layers.dcp; `kestrel_dcp_traffic`), per MLA layer:
+With kestrel's decode context parallelism (kestrel.layers.dcp; `kestrel_dcp_traffic`), per MLA layer:
 dcp_all_gather of the absorbed queries (T x H/TP x 576), with the indexer its queries (T x Hi/TP x D) and fp32
 head weights, and the fp32 scores of the positions the rank holds (N x L x ceil(S / DCP)); dcp_all_reduce of the
-partial softmaxes' fp32 maxima, weights and latent outputs (N x L x H, twice, and N x L x H x 512); the indexer's
-scores then leave the all-reduce. `dcp_traffic` is the analytic count of SGLang's exchange (queries all-gathered
+partial softmaxes' fp32 maxima, weights and latent outputs over the DCP group's heads (N x L x H', twice, and
+N x L x H' x 512, H' = DCP x H/TP), and with DCP < TP the indexer's local scores over the ranks holding the same
+positions (N x L x ceil(S / DCP)); the indexer's scores then leave the TP all-reduce. `dcp_traffic` is the analytic count of SGLang's exchange (queries all-gathered
 over the DCP group, partial outputs with their log-sum-exp reduce-scattered back), which the cookbook uses.
 A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n.
 """
@@ -80,18 +81,20 @@ def pp_traffic(config: ModelConfig, next_layer: int | None, forward: Forward, ac
     return {"stream": config.stream_width(next_layer) * forward.tokens * config.hidden_size * act_bytes}
 
 
-def kestrel_dcp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int) -> dict[str, int]:
-    """Bytes one rank contributes to kestrel's DCP collectives (DCP = TP) in one forward (module docstring)."""
-    if tp == 1:
+def kestrel_dcp_traffic(config: ModelConfig, tp: int, dcp: int, forward: Forward,
+                        act_bytes: int) -> dict[str, int]:
+    """Bytes one rank contributes to kestrel's DCP collectives in one forward (module docstring)."""
+    if dcp == 1:
         return {}
-    layers, t, heads = len(config.mla_layers), forward.tokens, config.num_attention_heads
+    layers, t, heads = len(config.mla_layers), forward.tokens, config.num_attention_heads // tp
     padded = forward.sequences * forward.longest_new          # query rows in the padded [N, L] layout
-    gathered = t * heads // tp * config.kv_cache_dim * act_bytes
+    gathered = t * heads * config.kv_cache_dim * act_bytes
+    reduced = padded * dcp * heads * (2 + config.kv_lora_rank) * 4
     if config.has_indexer:
-        index_heads = config.index_n_heads // tp
-        held = -(-forward.longest_total // tp)
-        gathered += t * index_heads * (config.index_head_dim * act_bytes + 4) + padded * held * SCORE_BYTES
-    reduced = padded * heads * (2 + config.kv_lora_rank) * 4
+        held = -(-forward.longest_total // dcp)
+        gathered += t * config.index_n_heads // tp * (config.index_head_dim * act_bytes + 4) + \
+            padded * held * SCORE_BYTES
+        reduced += padded * held * SCORE_BYTES if tp > dcp else 0
     return {"dcp_all_gather": layers * gathered, "dcp_all_reduce": layers * reduced}
 
 

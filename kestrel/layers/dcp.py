@@ -1,13 +1,15 @@
-"""Decode context parallelism of the MLA cache (`--dcp-size`, over the whole TP group).
+"""Decode context parallelism of the MLA cache (`--dcp-size`, dividing the TP group into DCP groups of
+consecutive ranks).
 
-Rank r of the group holds position p of every sequence when p % dcp == r, at row
+DCP rank r holds position p of every sequence when p % dcp == r, at row
 page_table[n, p // page_size] * (page_size / dcp) + (p % page_size) // dcp of its cache: each rank stores 1/dcp of
 every page. Attention runs in the absorbed form, whose keys and values are the latent every head shares, so any
-rank can attend any head's query over the positions it holds: the ranks' absorbed queries are gathered, each rank
-attends every head over its positions (a partial softmax and its log-sum-exp), and the partials are merged by
-log-sum-exp (an all-reduce of the maximum, then of the rescaled outputs and weights); each rank keeps its own
-heads. The lightning indexer does the same with its scores: every head's index queries gathered, each rank scores
-the keys it holds, the scores gathered into every position's, and every rank selects the same top-k.
+rank can attend any head's query over the positions it holds: the DCP group's absorbed queries are gathered, each
+rank attends the group's heads over its positions (a partial softmax and its log-sum-exp), and the partials are
+merged by log-sum-exp (an all-reduce of the maximum, then of the rescaled outputs and weights); each rank keeps its
+own heads. The lightning indexer does the same with its scores: the group's index queries gathered, each rank
+scores the keys it holds, the other DCP groups' heads summed in (the ranks holding the same positions), the scores
+gathered into every position's, and every rank selects the same top-k.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ def held_positions(batch: ForwardBatch, rank: int, dcp: int) -> tuple[torch.Tens
 
 
 def gather_heads(x: torch.Tensor, par: Parallel) -> torch.Tensor:
-    """Every rank's heads of x [T, H/tp, ...] -> [T, H, ...] (rank order is head order)."""
-    parts = par.gather_ranks(x)                                   # [tp, T, H/tp, ...]
+    """The DCP group's heads of x [T, H/tp, ...] -> [T, dcp * H/tp, ...] (rank order is head order)."""
+    parts = par.dcp_gather(x)                                     # [dcp, T, H/tp, ...]
     return parts.transpose(0, 1).flatten(1, 2)
 
 
 def gather_positions(scores: torch.Tensor, par: Parallel) -> torch.Tensor:
-    """Every rank's scores over the positions it holds, [N, L, S'] -> [N, L, S' * dcp] by position."""
-    parts = par.gather_ranks(scores)                              # [dcp, N, L, S']
+    """Every DCP rank's scores over the positions it holds, [N, L, S'] -> [N, L, S' * dcp] by position."""
+    parts = par.dcp_gather(scores)                                # [dcp, N, L, S']
     return parts.permute(1, 2, 3, 0).flatten(2)
 
 
@@ -59,9 +61,9 @@ def partial_attention(q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, par: Parallel) -> torch.Tensor:
-    """The softmax over every rank's positions from each rank's partial (out [N, L, H, V], lse [N, L, H])."""
-    top = par.all_reduce(lse.clone(), op=dist.ReduceOp.MAX, kind="dcp_all_reduce")
+    """The softmax over every DCP rank's positions from each one's partial (out [N, L, H, V], lse [N, L, H])."""
+    top = par.dcp_all_reduce(lse.clone(), op=dist.ReduceOp.MAX)
     weight = torch.exp(lse - torch.where(torch.isfinite(top), top, 0))          # 0 where this rank has no key
-    total = par.all_reduce(weight.clone(), kind="dcp_all_reduce")
-    summed = par.all_reduce((out * weight.unsqueeze(-1)).contiguous(), kind="dcp_all_reduce")
+    total = par.dcp_all_reduce(weight.clone())
+    summed = par.dcp_all_reduce((out * weight.unsqueeze(-1)).contiguous())
     return summed / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)

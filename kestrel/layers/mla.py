@@ -161,7 +161,7 @@ class GatedMLA(nn.Module):
         """Attention over the positions split across the DCP ranks (prefill and decode; kestrel.layers.dcp):
         q [T, H/tp, 192] -> [T, H/tp, v_dim]."""
         par, pages = self.par, cache.mla[self.mla_index]
-        rank, size = par.layout.tp_rank, par.layout.dcp_size
+        rank, size = par.layout.dcp_rank, par.layout.dcp_size
         mine = batch.positions % size == rank
         rows = dcp.cache_rows(batch.page_table, batch.seq_index, batch.positions, cache.page_size, size)[mine]
         held, reached = dcp.held_positions(batch, rank, size)
@@ -174,8 +174,8 @@ class GatedMLA(nn.Module):
             pages.index_keys.write(rows, index_keys[mine])
             keys = torch.where(reached.unsqueeze(-1), pages.index_keys.read(read, index_keys.dtype), 0)
             index_q, weights = self.indexer.queries(x, q_latent)
-            local = ops.indexer_scores(batch.to_padded(dcp.gather_heads(index_q, par)), keys,
-                                       batch.to_padded(dcp.gather_heads(weights, par)), mask)
+            local = par.cross_all_reduce(ops.indexer_scores(batch.to_padded(dcp.gather_heads(index_q, par)), keys,
+                                                            batch.to_padded(dcp.gather_heads(weights, par)), mask))
             scores = dcp.gather_positions(local, par)
             mask = ops.topk_mask(scores, scores > float("-inf"), self.indexer.topk)[..., rank::size]
         w_uk, w_uv = self._absorption()

@@ -70,7 +70,7 @@ def test_layouts_kestrel_cannot_run_are_refused():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"dp_size": 2}, "dp_size > 1 is not supported yet"), ({"enable_dp_attention": True}, "enable_dp_attention is not"),
-    ({"dcp_size": 4}, r"dcp_size \(4\) must be 1 or tp_size \(2\)"),
+    ({"dcp_size": 4}, r"dcp_size \(4\) must divide tp_size \(2\)"),
     ({"dcp_size": 2, "page_size": 3}, "must be a multiple of --dcp-size 2"), ({"nnodes": 2}, "needs --dist-init-addr"),
     ({"pp_size": 2, "speculative_algorithm": "NEXTN"}, "hidden states do not run over pipeline stages")])
 def test_engine_refuses_parallelism_it_does_not_implement(kwargs, message):

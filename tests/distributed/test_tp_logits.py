@@ -3,7 +3,8 @@ model's (float32), and the pools every rank allocates are what `kestrel plan --e
 
 One spawned group per world size runs its cases: K3.1-tiny (indexer, AttnRes, latent MXFP4 MoE, MTP) and a
 Kimi-Linear-shaped model, at TP2 (experts split by intermediate width), TP2 with EP2 (experts split by expert) and
-PP2 (K3.1's first stage has no MLA layer, its AttnRes blocks cross the cut), and K3.1 at TP2 x PP2, through the
+PP2 (K3.1's first stage has no MLA layer, its AttnRes blocks cross the cut) and TP2 x DCP2, K3.1 at TP2 x PP2 and
+a K3.1 whose every width splits four ways at TP4 x DCP2 (two DCP groups), through the
 scripted steps of tp_script.py: mixed-length chunked prefill, decode, and a fork whose state slot and page are
 copied by the DeviceOps journal; then the engine's load_shard plans and allocates each case's pools.
 """
@@ -31,10 +32,12 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 """float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
 absolute; dropping the indexer's score reduction moves logits by 2.1)."""
 MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXFP4 blocks: one per rank at TP2
-          "kimi-linear": ("kimi-linear-tiny", {})}
+          "kimi-linear": ("kimi-linear-tiny", {}),
+          "k3.1-wide": ("k3.1-tiny", {"moe_intermediate_size": 128, "linear_attn_config": {"num_heads": 4},
+                                      "dsa_config": {"index_n_heads": 4}})}       # every width splits 4 ways
 CASES = [("k3.1", 2, 1, 1, 1), ("k3.1", 2, 2, 1, 1), ("kimi-linear", 2, 1, 1, 1), ("kimi-linear", 2, 2, 1, 1),
          ("k3.1", 1, 1, 2, 1), ("kimi-linear", 1, 1, 2, 1), ("k3.1", 2, 1, 2, 1),
-         ("k3.1", 2, 1, 1, 2), ("kimi-linear", 2, 1, 1, 2)]     # (model, tp, ep, pp, dcp)
+         ("k3.1", 2, 1, 1, 2), ("kimi-linear", 2, 1, 1, 2), ("k3.1-wide", 4, 1, 1, 2)]   # (model, tp, ep, pp, dcp)
 RANK_TIMEOUT_S = 240
 POOL_BUDGET = 256 * 2**20
 """Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
@@ -46,7 +49,9 @@ def folders(tmp_path_factory) -> dict[str, str]:
     out = {}
     for name, (preset, overrides) in MODELS.items():
         raw = tiny_config(preset)
-        raw.get("text_config", raw).update(overrides)
+        text = raw.get("text_config", raw)
+        for key, value in overrides.items():
+            text[key] = {**text[key], **value} if isinstance(value, dict) else value
         model = init_weights(build_model(parse_config(raw), torch.float32), seed=1, std=0.1)
         for param_name, p in model.named_parameters():     # a router bias that steers selection
             if param_name.endswith("e_score_correction_bias"):
@@ -144,8 +149,7 @@ def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_result
     if pp == 1:
         expected = {"all_reduce": 0, "all_gather": 0}
         for forward in forwards():
-            counts = tp_traffic(config, tp, forward, 4, dcp) | (kestrel_dcp_traffic(config, tp, forward, 4)
-                                                                if dcp > 1 else {})
+            counts = tp_traffic(config, tp, forward, 4, dcp) | kestrel_dcp_traffic(config, tp, dcp, forward, 4)
             for kind, n in counts.items():
                 expected[kind] = expected.get(kind, 0) + n
         assert got["bytes_sent"] == expected

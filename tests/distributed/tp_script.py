@@ -117,7 +117,7 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int]], out: str, 
     pool_args) and allocates its pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
 
-    from kestrel.distributed.launch import init_process_groups, tp_group
+    from kestrel.distributed.launch import dcp_groups, init_process_groups, tp_group
     from kestrel.distributed.parallel import Parallel
     from kestrel.engine.args import EngineArgs
     from kestrel.models.checkpoint import load_model
@@ -128,7 +128,7 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int]], out: str, 
     results = {}
     for name, folder, tp, ep, pp, dcp in cases:
         layout = ParallelLayout(tp, ep, spec.rank, pp, dcp)
-        par = Parallel(layout, tp_group(layout))
+        par = Parallel(layout, tp_group(layout), dcp_groups=dcp_groups(layout))
         model = load_model(folder, torch.float32, "cpu", par)
         results[name], runner = run_script(model, layout)
         results[name]["bytes_sent"] = dict(par.bytes_sent)

@@ -4,7 +4,8 @@ instance, and split again for another (a PD handoff between instances of any lay
 Entries are named as device_ops saves parts ("{part}.kda.{i}.conv", "{part}.mla.{j}.latent", ...). A rank's entry
 holds its pipeline stage's layers (numbered from the stage's first KDA and MLA layer), its TP share of the KDA
 heads (conv channels q | k | v of H / tp heads each, recurrent [H / tp, K, V]) and, with decode context
-parallelism, the page rows of its positions (p % dcp == rank); without DCP every TP rank holds the same MLA rows.
+parallelism, the page rows of its positions (p % dcp == its dcp_rank, the same on every DCP group); without DCP
+every TP rank holds the same MLA rows.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def gather_entry(entries: list[Entry], layout: ParallelLayout, config: ModelConf
                 name = f"{part}.kda.{kda + int(index)}.{field}"
                 full[name] = (torch.cat([torch.cat([p.chunk(3, -1)[c] for p in pieces], -1) for c in range(3)], -1)
                               if field == "conv" else torch.cat(pieces))
-            else:         # row j of rank r holds the page's position j * dcp + r
-                full[f"{part}.mla.{mla + int(index)}.{field}"] = torch.stack(pieces, 1).flatten(0, 1) \
+            else:         # row j of the first DCP group's rank r holds the page's position j * dcp + r
+                full[f"{part}.mla.{mla + int(index)}.{field}"] = torch.stack(pieces[:dcp], 1).flatten(0, 1) \
                     if dcp > 1 else pieces[0]
     return full
 
@@ -54,7 +55,7 @@ def shard_entry(entry: Entry, layout: ParallelLayout, config: ModelConfig) -> En
             out[local] = (torch.cat([c.chunk(tp, -1)[rank] for c in t.chunk(3, -1)], -1) if field == "conv"
                           else t.chunk(tp)[rank]).contiguous()
         else:
-            out[local] = t[rank::dcp].contiguous() if dcp > 1 else t
+            out[local] = t[layout.dcp_rank::dcp].contiguous() if dcp > 1 else t
     return out
 
 

@@ -17,8 +17,9 @@ dcp_all_gather of the absorbed queries (T x H/TP x 576), with the indexer its qu
 head weights, and the fp32 scores of the positions the rank holds (N x L x ceil(S / DCP)); dcp_all_reduce of the
 partial softmaxes' fp32 maxima, weights and latent outputs over the DCP group's heads (N x L x H', twice, and
 N x L x H' x 512, H' = DCP x H/TP), and with DCP < TP the indexer's local scores over the ranks holding the same
-positions (N x L x ceil(S / DCP)); the indexer's scores then leave the TP all-reduce. `dcp_traffic` is the analytic count of SGLang's exchange (queries all-gathered
-over the DCP group, partial outputs with their log-sum-exp reduce-scattered back), which the cookbook uses.
+positions (N x L x ceil(S / DCP)); the indexer's scores then leave the TP all-reduce. `dcp_traffic` is the
+analytic count of SGLang's exchange (queries all-gathered over the DCP group, partial outputs with their
+log-sum-exp reduce-scattered back), which the cookbook uses.
 A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n.
 """
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..distributed.layout import ParallelLayout
 from .hardware import Device
 from .model import ModelFacts
 
@@ -39,9 +40,9 @@ class Layout:
         return FirstRank(self.attention_tp, self.tp, self.ep, engine == "sglang")
 
     def stages(self, num_layers: int) -> list[range]:
-        """The layers of each pipeline stage."""
-        bounds = [s * num_layers // self.pp for s in range(self.pp + 1)]
-        return [range(bounds[s], bounds[s + 1]) for s in range(self.pp)]
+        """The layers of each pipeline stage, cut as kestrel's engine cuts them (ParallelLayout.stage_layers)."""
+        engine = ParallelLayout(pp_size=self.pp)
+        return [engine.stage_layers(num_layers, s) for s in range(self.pp)]
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}"]

@@ -105,7 +105,7 @@ class ParallelLayout:
         return stage * self.tp_size + self.tp_rank
 
     def stage_layers(self, num_layers: int, stage: int | None = None) -> range:
-        """The decoder layers of pipeline stage `stage` (this rank's by default), as the cookbook cuts them."""
+        """The decoder layers of pipeline stage `stage` (this rank's by default); the cookbook cuts the same way."""
         s = self.pp_rank if stage is None else stage
         return range(s * num_layers // self.pp_size, (s + 1) * num_layers // self.pp_size)
 

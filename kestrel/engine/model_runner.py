@@ -148,7 +148,7 @@ class ModelRunner:
         hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         self.hidden = hidden                  # [T, D]: what a model drafter reads after the step
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
-        rows = self._logit_rows(step, range(len(step.lengths)))
+        rows = self._logit_rows(step)
         if rows:
             logits = self.model.compute_logits(hidden[torch.cat(list(rows.values()))])
             for i, chunk_logits in zip(rows, logits.split([len(r) for r in rows.values()])):
@@ -164,6 +164,8 @@ class ModelRunner:
         # a verification runs whole: the KDA token states it keeps are indexed by the step's tokens
         parts = [range(len(step.lengths))] if step.verify else micro_batches(step.lengths, layout.pp_size)
         firsts = [0] + torch.tensor(step.lengths).cumsum(0).tolist()      # each chunk's first token in the step
+        wanted = self._logit_rows(step)
+        rows_of = [{i: r for i, r in wanted.items() if i in chunks} for chunks in parts]
         for m, chunks in enumerate(parts):
             batch = self._batch(step, chunks)
             first = firsts[chunks.start]
@@ -177,15 +179,14 @@ class ModelRunner:
             if not layout.last_stage:
                 link.send_next(stream, m)
                 continue
-            rows = self._logit_rows(step, chunks)
+            rows = rows_of[m]
             if rows:       # every TP rank of the stage computes them (the vocabulary is gathered), the first sends
                 logits = self.model.compute_logits(model.finish(stream)[torch.cat(list(rows.values())) - first])
                 if layout.tp_rank == 0:
                     link.send_logits(logits, m)
         link.wait()
         if layout.rank == 0:
-            for m, chunks in enumerate(parts):
-                rows = self._logit_rows(step, chunks)
+            for m, rows in enumerate(rows_of):
                 if rows:
                     logits = link.recv_logits(sum(len(r) for r in rows.values()), self.model.config.vocab_size,
                                               self.device, m)
@@ -200,14 +201,14 @@ class ModelRunner:
                                   slots, self.page_table.gather(slots, step.width), self.cache.page_size,
                                   self.device, keep_token_states=step.verify)
 
-    def _logit_rows(self, step: Step, chunks: range) -> dict[int, torch.Tensor]:
+    def _logit_rows(self, step: Step) -> dict[int, torch.Tensor]:
         """Chunk index -> the rows of step's tokens whose logits it needs (every position for all_rows, the last
         for samples), for the chunks that need any, in order."""
         ends = torch.tensor(step.lengths).cumsum(0).tolist()
-        all_rows, samples = set(step.all_rows), set(step.samples)
+        all_rows = set(step.all_rows)
         return {i: torch.arange(ends[i] - step.lengths[i] if i in all_rows else ends[i] - 1, ends[i],
                                 device=self.device)
-                for i in chunks if i in all_rows or i in samples}
+                for i in sorted(all_rows | set(step.samples))}
 
     def _apply_ops(self, ops: list[Op]) -> None:
         """Run journaled cache copies on this rank (a loaded entry comes in one process's layout: its share)."""

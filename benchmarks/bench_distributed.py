@@ -81,11 +81,11 @@ def rank_main(spec, folders: list[str], out: str) -> None:
             runner.execute(step)
             return dict(par.bytes_sent)
 
-        prefill = counted(Step([], table, ids.tolist(), [0], [PREFILL], [BATCH], row, [], [0]))
+        prefill = counted(Step([[]], [table], ids.tolist(), [0], [PREFILL], [BATCH], row, [], [0]))
         context = ids[:CONTEXT - 1].tolist()
-        runner.execute(Step([], [], context * BATCH, [0] * BATCH, [CONTEXT - 1] * BATCH, list(range(BATCH)), row,
+        runner.execute(Step([[]], [[]], context * BATCH, [0] * BATCH, [CONTEXT - 1] * BATCH, list(range(BATCH)), row,
                             [], []))
-        decode = counted(Step([], [], ids[CONTEXT - 1:CONTEXT].tolist() * BATCH, [CONTEXT - 1] * BATCH, [1] * BATCH,
+        decode = counted(Step([[]], [[]], ids[CONTEXT - 1:CONTEXT].tolist() * BATCH, [CONTEXT - 1] * BATCH, [1] * BATCH,
                               list(range(BATCH)), row, [], list(range(BATCH))))
         results[folder] = {"prefill": prefill, "decode": decode}
     if spec.rank == 0:

@@ -269,7 +269,7 @@ def _kestrel_pools(request: PlanRequest, model: ModelFacts, stage_weight_bytes: 
     state slot)."""
     settings = request.cache
     layout = check_kestrel_layout(request, model)
-    args = kestrel_args(request, ratio)
+    args = kestrel_args(request, ratio).dp_group_args()
 
     def stage_plan(stage: int, engine_args: EngineArgs) -> MemoryPlan:
         config = layout.with_rank(layout.stage_rank(stage)).cache_config(model.config)

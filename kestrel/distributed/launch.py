@@ -98,7 +98,27 @@ def init_process_groups(spec: RankSpec, layout: ParallelLayout, device: torch.de
     dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.world_size, rank=spec.rank,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Parallel(layout, tp_group(layout), via_host=shared_gpu, dcp_groups=dcp_groups(layout)), control
+    return Parallel(layout, tp_group(layout), via_host=shared_gpu, dcp_groups=dcp_groups(layout),
+                    dp_groups=dp_groups(layout)), control
+
+
+def dp_groups(layout: ParallelLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Under DP attention (one pipeline stage): this rank's DP group (attn_tp_size consecutive ranks; None for one)
+    and the ranks with its place in every DP group (every rank calls this together)."""
+    if layout.dp_size == 1:
+        return None, None
+    if layout.pp_size > 1:
+        raise ValueError("DP attention runs in one pipeline stage.")
+    size, attn_group = layout.attn_tp_size, None
+    if size > 1:
+        for g in range(layout.dp_size):
+            made = dist.new_group([g * size + i for i in range(size)])
+            if g == layout.dp_rank:
+                attn_group = made
+    if size == 1:
+        return None, dist.group.WORLD
+    across = [dist.new_group([g * size + i for g in range(layout.dp_size)]) for i in range(size)]
+    return attn_group, across[layout.attn_tp_rank]
 
 
 def dcp_groups(layout: ParallelLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

@@ -11,11 +11,16 @@ split `moe_tp_size = tp_size / ep_size` ways:
     rank r: pp_rank = r // tp_size, tp_rank = r % tp_size, ep_rank = tp_rank // moe_tp_size,
             moe_tp_rank = tp_rank % moe_tp_size
 
-Decode context parallelism (`dcp_size`, dividing tp_size) splits the MLA cache by token: the TP group's ranks form
-DCP groups of dcp_size consecutive ranks, and position p of every sequence is stored on the ranks whose
-dcp_rank = tp_rank % dcp_size is p % dcp_size (kestrel.layers.dcp).
-Data-parallel attention is not implemented; `from_args` refuses it (its ranks would extend this layout, with the
-TP group as the innermost axis).
+Data-parallel attention (`dp_size` with SGLang's --enable-dp-attention, dividing tp_size) splits each TP group into
+dp_size DP groups of attn_tp_size = tp_size / dp_size consecutive ranks: attention, its caches and the vocabulary
+split over a DP group's ranks, and each group holds and attends only its own sequences; dense MLPs and experts
+still split over the whole TP group, which computes them for every group's tokens:
+
+    dp_rank = tp_rank // attn_tp_size, attn_tp_rank = tp_rank % attn_tp_size
+
+Decode context parallelism (`dcp_size`, dividing attn_tp_size) splits the MLA cache by token: the attention group's
+ranks form DCP groups of dcp_size consecutive ranks, and position p of every sequence is stored on the ranks whose
+dcp_rank = attn_tp_rank % dcp_size is p % dcp_size (kestrel.layers.dcp).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class ParallelLayout:
     rank: int = 0
     pp_size: int = 1
     dcp_size: int = 1
+    dp_size: int = 1           # DP attention groups per TP group (1: attention splits over the whole TP group)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
@@ -45,27 +51,35 @@ class ParallelLayout:
                              "runs over the tensor-parallel ranks.")
         if self.pp_size < 1:
             raise ValueError(f"pp_size must be at least 1, got {self.pp_size}.")
-        if self.dcp_size < 1 or self.tp_size % self.dcp_size:
-            raise ValueError(f"dcp_size ({self.dcp_size}) must divide tp_size ({self.tp_size}): decode context "
-                             "parallelism splits the TP group.")
+        if self.dp_size < 1 or self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}): DP attention splits "
+                             "the TP group.")
+        if self.dcp_size < 1 or self.attn_tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size ({self.dcp_size}) must divide the attention TP size ({self.attn_tp_size}): "
+                             "decode context parallelism splits the attention group.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a layout of {self.world_size} ranks.")
 
     @classmethod
     def from_args(cls, args, rank: int = 0) -> ParallelLayout:
         """The layout EngineArgs ask for; a ValueError for the parallelism kestrel does not implement yet."""
-        refused = [(args.dp_size > 1, "dp_size > 1"), (args.enable_dp_attention, "enable_dp_attention")]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"{what} is not supported yet; kestrel runs tensor, expert, pipeline and decode "
-                                 "context parallelism (--tp-size, --ep-size, --pp-size, --dcp-size).")
+        dp = args.dp_size if args.enable_dp_attention else 1
+        if args.dp_size > 1 and not args.enable_dp_attention:
+            raise ValueError("--dp-size without --enable-dp-attention runs whole replicas behind a router (`kestrel "
+                             "serve` starts them); one engine runs one replica.")
+        if dp > 1:
+            refused = [(args.pp_size > 1, "--pp-size"), (args.dcp_size > 1, "--dcp-size"),
+                       (args.speculative_algorithm != "none", "--speculative-algorithm")]
+            for bad, flag in refused:
+                if bad:
+                    raise ValueError(f"DP attention does not run with {flag} yet; drop one of them.")
         if args.pp_size > 1 and args.speculative_algorithm in ("NEXTN", "DFLASH"):
             raise ValueError("drafters that read the target's hidden states do not run over pipeline stages yet; "
                              "drop --pp-size or use --speculative-algorithm NGRAM or STANDALONE.")
         if args.dcp_size > 1 and args.page_size % args.dcp_size:
             raise ValueError(f"--page-size {args.page_size} must be a multiple of --dcp-size {args.dcp_size} (each "
                              "rank holds page_size / dcp_size tokens of every page).")
-        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size, args.dcp_size)
+        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size, args.dcp_size, dp)
         if layout.world_size % args.nnodes:
             raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "
                              "--tp-size x --pp-size a multiple of --nnodes.")
@@ -82,9 +96,23 @@ class ParallelLayout:
         return self.rank % self.tp_size
 
     @property
+    def attn_tp_size(self) -> int:
+        """Ranks of one DP attention group (the whole TP group without DP attention)."""
+        return self.tp_size // self.dp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank % self.attn_tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's DP attention group: whose sequences its caches hold."""
+        return self.tp_rank // self.attn_tp_size
+
+    @property
     def dcp_rank(self) -> int:
         """Which share of every page's positions this rank holds (p % dcp_size == dcp_rank)."""
-        return self.tp_rank % self.dcp_size
+        return self.attn_tp_rank % self.dcp_size
 
     @property
     def pp_rank(self) -> int:
@@ -122,21 +150,30 @@ class ParallelLayout:
         return self.tp_rank % self.moe_tp_size
 
     def axis(self, name: str) -> tuple[int, int]:
-        """(this rank's index, parts) along a sharding axis: "attn_tp" (attention's TP group: the whole TP group,
-        as there is no DP attention), "tp", "ep" or "moe_tp"."""
-        return {"attn_tp": (self.tp_rank, self.tp_size), "tp": (self.tp_rank, self.tp_size),
+        """(this rank's index, parts) along a sharding axis: "attn_tp" (its DP attention group; the whole TP group
+        without DP attention), "tp", "ep" or "moe_tp"."""
+        return {"attn_tp": (self.attn_tp_rank, self.attn_tp_size), "tp": (self.tp_rank, self.tp_size),
                 "ep": (self.ep_rank, self.ep_size), "moe_tp": (self.moe_tp_rank, self.moe_tp_size)}[name]
 
     def with_rank(self, rank: int) -> ParallelLayout:
         return dataclasses.replace(self, rank=rank)
 
+    def attention(self) -> ParallelLayout:
+        """The layout as this rank's attention sees it: a TP group of its DP group's ranks (itself without DP
+        attention)."""
+        if self.dp_size == 1:
+            return self
+        return ParallelLayout(self.attn_tp_size, 1, self.pp_rank * self.attn_tp_size + self.attn_tp_rank,
+                              self.pp_size, self.dcp_size)
+
     def check_model(self, config: ModelConfig) -> None:
         """A ValueError naming every width of config that this layout cannot split."""
-        tp, problems = self.tp_size, []
+        tp, attn_tp, problems = self.tp_size, self.attn_tp_size, []
         heads = [("KDA heads", config.kda_num_heads if config.kda_layers else 0),
                  ("attention heads", config.num_attention_heads if config.mla_layers else 0),
                  ("indexer heads", config.index_n_heads if config.has_indexer else 0)]
-        problems += [f"{n} {what}" for what, n in heads if n % tp]
+        problems += [f"{n} {what}" + (f" (by the attention TP size {attn_tp})" if attn_tp < tp else "")
+                     for what, n in heads if n % attn_tp]
         if config.num_experts and config.num_experts % self.ep_size:
             problems.append(f"{config.num_experts} routed experts (by ep_size {self.ep_size})")
         unit = MXFP4_BLOCK if config.experts_mxfp4 else 1
@@ -154,10 +191,11 @@ class ParallelLayout:
             raise ValueError(f"pp_size {self.pp_size} exceeds the model's {config.num_hidden_layers} layers.")
 
     def cache_config(self, config: ModelConfig) -> ModelConfig:
-        """The config whose caches one rank holds: its stage's layers (the MTP layers on the last stage only), its
-        KDA heads' state (MLA latents are replicated under TP; DCP splits them by position, HybridCache.dcp_size)."""
+        """The config whose caches one rank holds (for its DP group's sequences): its stage's layers (the MTP layers
+        on the last stage only), its KDA heads' state (MLA latents are replicated over the attention group; DCP
+        splits them by position, HybridCache.dcp_size)."""
         layers = self.stage_layers(config.num_hidden_layers)
-        return dataclasses.replace(config, kda_num_heads=config.kda_num_heads // self.tp_size,
+        return dataclasses.replace(config, kda_num_heads=config.kda_num_heads // self.attn_tp_size,
                                    num_hidden_layers=len(layers),
                                    layer_types=config.layer_types[layers.start:layers.stop],
                                    num_nextn_predict_layers=config.num_nextn_predict_layers if self.last_stage else 0)

@@ -16,11 +16,15 @@ from .layout import ParallelLayout
 
 class Parallel:
     """The layout and the TP group of this rank's stage (None when it has one rank); with decode context
-    parallelism, the rank's DCP group and the group of its TP group's ranks that hold the same positions."""
+    parallelism, the rank's DCP group and the group of its TP group's ranks that hold the same positions.
+
+    `attn` is what attention and the vocabulary use: this Parallel itself, or under DP attention a Parallel over the
+    rank's DP group (layout.attention()); `dp_group` then joins the ranks with the same place in every DP group,
+    over which dp_gather collects the groups' attention outputs."""
 
     def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None,
                  via_host: bool = False, dcp_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
-                 = (None, None)):
+                 = (None, None), dp_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)):
         if layout.tp_size > 1 and group is None:
             raise ValueError("a tensor-parallel layout needs its process group.")
         self.layout = layout
@@ -28,6 +32,11 @@ class Parallel:
         self.dcp_group, self.cross_group = dcp_groups
         self.via_host = via_host      # GPU tensors go through host memory (gloo between ranks sharing a GPU)
         self.bytes_sent: Counter[str] = Counter()
+        self.attn, self.dp_group = self, None
+        if layout.dp_size > 1:
+            attn_group, self.dp_group = dp_groups
+            self.attn = Parallel(layout.attention(), attn_group, via_host, dcp_groups)
+            self.attn.bytes_sent = self.bytes_sent
 
     @classmethod
     def for_shapes(cls, layout: ParallelLayout) -> Parallel:
@@ -35,6 +44,8 @@ class Parallel:
         bytes); its collectives must never run."""
         par = cls()
         par.layout = layout
+        if layout.dp_size > 1:
+            par.attn = cls.for_shapes(layout.attention())
         return par
 
     @property
@@ -75,6 +86,18 @@ class Parallel:
             return x.copy_(host)
         dist.all_reduce(x, op=op, group=group)
         return x
+
+    def dp_gather(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """Every DP group's rows in group order: x [counts[dp_rank], ...] -> [sum(counts), ...] (parts padded to the
+        largest for the collective)."""
+        if self.dp_group is None or not max(counts):
+            return x
+        padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, max(counts) - x.shape[0])).contiguous()
+        self.bytes_sent["dp_all_gather"] += padded.nbytes
+        host = padded.cpu() if self.via_host else padded
+        parts = [torch.empty_like(host) for _ in counts]
+        dist.all_gather(parts, host, group=self.dp_group)
+        return torch.cat([part[:n] for part, n in zip(parts, counts)]).to(x.device)
 
     def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate along the last dim every rank's x [..., sizes[rank]] -> [..., sum(sizes)] (parts may differ

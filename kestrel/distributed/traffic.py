@@ -9,6 +9,8 @@ and activations of `act_bytes`, on TP > 1 ranks; every rank contributes:
   shared experts' T x hidden; per indexer layer the N x L x S fp32 partial scores. Expert parallelism changes none
   of it: routed partials join the same all-reduce (no all-to-all dispatch).
 - all_gather: R x ceil(vocab / TP) fp32 logits.
+Under DP attention (dp_attention_traffic) attention, the embedding and the logits move over a DP group's TP / DP
+ranks (attention: the group's own tokens), and each attention layer all-gathers the groups' outputs across them.
 Between pipeline stages (pp_traffic), each rank of a stage sends the next stage's rank in its place the residual
 stream entering that stage's first layer (with AttnRes, every block summary finished so far plus the partial sum),
 T x hidden each; the last stage's first TP rank sends rank 0 the R x vocab fp32 logits.
@@ -62,15 +64,40 @@ def tp_traffic(config: ModelConfig, tp: int, forward: Forward, act_bytes: int, d
     """Bytes one rank contributes to each collective kind in one forward (see the module docstring)."""
     if tp == 1:
         return {"all_reduce": 0, "all_gather": 0}
-    t, hidden = forward.tokens, config.hidden_size
+    return _tp_traffic(config, tp, tp, forward, forward, act_bytes, dcp)
+
+
+def dp_attention_traffic(config: ModelConfig, tp: int, dp: int, groups: list[Forward], mine: int,
+                         act_bytes: int) -> dict[str, int]:
+    """Bytes a rank of DP group `mine` contributes in one forward under DP attention, the DP groups' shares of the
+    step being `groups`: the dense MLPs and MoE as tp_traffic over every group's tokens; the attention outputs
+    and indexer scores of its own group, the embedding and logits of every group, over its DP group of tp / dp
+    ranks; and per attention layer a dp_all_gather of the largest group's T x hidden (the attention outputs)."""
+    whole = Forward(sum(g.tokens for g in groups), sum(g.sequences for g in groups),
+                    max(g.longest_new for g in groups), max(g.longest_total for g in groups),
+                    sum(g.logit_rows for g in groups))
+    out = _tp_traffic(config, tp, tp // dp, whole, groups[mine], act_bytes, 1)
+    attention_layers = len(config.kda_layers) + len(config.mla_layers)
+    out["dp_all_gather"] = attention_layers * max(g.tokens for g in groups) * config.hidden_size * act_bytes
+    return out
+
+
+def _tp_traffic(config: ModelConfig, tp: int, attn_tp: int, whole: Forward, own: Forward, act_bytes: int,
+                dcp: int) -> dict[str, int]:
+    """all_reduce and all_gather bytes of one rank: the FFNs over `whole`'s tokens on tp ranks, attention over
+    `own`'s on attn_tp ranks, the embedding and logits over `whole`'s on attn_tp ranks."""
+    t, hidden = whole.tokens, config.hidden_size
     moe = _moe_layers(config)
     dense = config.num_hidden_layers - moe
     latent = config.routed_expert_hidden_size is not None
     moe_width = (config.expert_dim + (hidden if config.num_shared_experts else 0)) if latent else hidden
-    rows = (1 + len(config.kda_layers) + len(config.mla_layers) + dense) * t * hidden + moe * t * moe_width
-    scores = (len(config.mla_layers) * forward.sequences * forward.longest_new * forward.longest_total * SCORE_BYTES
-              if config.has_indexer and dcp == 1 else 0)
-    logits = forward.logit_rows * -(-config.vocab_size // tp) * LOGIT_BYTES
+    rows = (dense * t * hidden + moe * t * moe_width) if tp > 1 else 0
+    scores = logits = 0
+    if attn_tp > 1:
+        rows += ((len(config.kda_layers) + len(config.mla_layers)) * own.tokens + t) * hidden
+        if config.has_indexer and dcp == 1:
+            scores = len(config.mla_layers) * own.sequences * own.longest_new * own.longest_total * SCORE_BYTES
+        logits = whole.logit_rows * -(-config.vocab_size // attn_tp) * LOGIT_BYTES
     return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -136,6 +137,16 @@ class EngineArgs:
                                                                             "k3.1-tiny)")
             else:
                 parser.add_argument(flag, type=kind, default=f.default)
+
+    def dp_group_args(self) -> EngineArgs:
+        """The arguments one DP attention group's pools are planned from: --max-running-requests and
+        --max-mamba-cache-size count every group's (as SGLang's do), so each group plans for its share."""
+        dp = self.dp_size if self.enable_dp_attention else 1
+        if dp == 1:
+            return self
+        share = {name: max(1, getattr(self, name) // dp) for name in ("max_running_requests", "max_mamba_cache_size")
+                 if getattr(self, name) is not None}
+        return dataclasses.replace(self, **share)
 
     def apply_backends(self) -> None:
         """Make every op family run the implementation chosen here (a process-wide setting)."""

@@ -83,22 +83,26 @@ class AsyncEngine:
         return self._stats
 
     def _snapshot(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        kv, state, cache = scheduler.kv_pool, scheduler.state_pool, scheduler.prefix_cache
-        snapshots = cache.num_snapshots if cache is not None else 0
-        cached = {} if cache is None else dict(
-            cache_prompt_tokens=cache.stats.prompt_tokens, cache_hit_tokens=cache.stats.cached_tokens,
-            cache_pages=cache.num_pages, cache_snapshots=snapshots)
+        """Pools and prefix caches summed over the DP groups' schedulers (one without DP attention)."""
+        groups = self.engine.scheduler.groups
+        caches = [g.prefix_cache for g in groups if g.prefix_cache is not None]
+        snapshots = sum(cache.num_snapshots for cache in caches)
+        cached = {} if not caches else dict(
+            cache_prompt_tokens=sum(c.stats.prompt_tokens for c in caches),
+            cache_hit_tokens=sum(c.stats.cached_tokens for c in caches),
+            cache_pages=sum(c.num_pages for c in caches), cache_snapshots=snapshots)
         spec = self.engine.spec_stats
+        states = [g.state_pool for g in groups]
         return EngineStats(spec_verifications=spec.verifications, spec_draft_tokens=spec.draft_tokens,
                            spec_accepted_tokens=spec.accepted_tokens,
                            spec_accepted_histogram=tuple(spec.accepted_histogram),
                            spec_draft_seconds=spec.draft_seconds, spec_verify_seconds=spec.verify_seconds,
-                           running=len(scheduler.running), waiting=len(scheduler.waiting),
+                           running=sum(len(g.running) for g in groups), waiting=sum(len(g.waiting) for g in groups),
                            running_requests=self.engine.num_running_requests(),
-                           kv_pages_used=kv.num_used, kv_pages_total=kv.num_pages,
-                           state_slots_used=state.num_slots - state.num_free - snapshots,
-                           state_slots_total=state.num_slots, **cached)
+                           kv_pages_used=sum(g.kv_pool.num_used for g in groups),
+                           kv_pages_total=sum(g.kv_pool.num_pages for g in groups),
+                           state_slots_used=sum(p.num_slots - p.num_free for p in states) - snapshots,
+                           state_slots_total=sum(p.num_slots for p in states), **cached)
 
     @property
     def num_requests(self) -> int:
@@ -200,9 +204,10 @@ class AsyncEngine:
             self.engine.abort_request(rest[0])
         elif kind == "flush":
             loop, flushed = rest
-            idle, cache = not self.engine.has_unfinished_requests(), self.engine.scheduler.prefix_cache
-            if idle and cache is not None:
-                cache.reset()
+            idle = not self.engine.has_unfinished_requests()
+            for group in self.engine.scheduler.groups if idle else []:
+                if group.prefix_cache is not None:
+                    group.prefix_cache.reset()
             loop.call_soon_threadsafe(flushed.set_result, idle)
         elif kind == "abort_all":
             for request_id in list(self.engine.requests):

@@ -19,9 +19,11 @@ from ..distributed.parallel import SINGLE
 from .args import EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
+from .cache.page_table import PageTable
 from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
+from .dp_scheduler import DPScheduler
 from .handoff import Handoff, handoff_parts, handoff_spec
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
@@ -86,14 +88,13 @@ class LLMEngine:
         self.sampling_defaults = model_sampling_defaults(folder)
         self.grammars = (GrammarCompiler(self.tokenizer, self.config.vocab_size)
                          if self.tokenizer is not None and self.eos_token_ids else None)
-        slots, pages, page_table = self.plan.num_slots, self.plan.num_pages, shard.page_table
-        ops = DeviceOps()
-        state_pool, kv_pool = StatePool(slots, ops), KVPool(pages, self.plan.page_size, ops)
-        prefix_cache = build_prefix_cache(args, state_pool, kv_pool, self.cache, self.plan)
-        self.scheduler = Scheduler(state_pool, kv_pool, page_table, self.plan.max_running_requests,
-                                   args.chunked_prefill_size, args.max_prefill_tokens, prefix_cache,
-                                   args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval,
-                                   args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0)
+        page_table = shard.page_table
+        journals = [(page_table, DeviceOps())] + [        # DP attention: the other groups' tables are only recorded
+            (PageTable(page_table.rows.shape[0], page_table.max_pages, 0, "meta"), DeviceOps())
+            for _ in range(layout.dp_size - 1)]
+        groups = [self._scheduler(table, ops) for table, ops in journals]
+        self.scheduler = groups[0] if len(groups) == 1 else DPScheduler(groups)
+        slots, ops = self.plan.num_slots, journals[0][1]
         decode_graphs = None
         if shard.graphs:
             max_bs = min(args.torch_compile_max_bs if compiled else args.cuda_graph_max_bs,
@@ -102,7 +103,7 @@ class LLMEngine:
                                          compile="inductor" if compiled else None)
             log.info("decode: %s for batches of up to %d sequences, made on first use",
                      "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
-        self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks)
+        self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:])
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
@@ -121,6 +122,15 @@ class LLMEngine:
         if args.speculative_algorithm == "STANDALONE":
             self.standalone = StandaloneDrafter(shard.draft, shard.draft_cache, page_table, args.chunked_prefill_size)
         torch.manual_seed(args.random_seed)
+
+    def _scheduler(self, page_table: PageTable, ops: DeviceOps) -> Scheduler:
+        """A scheduler over new pools of the plan's sizes (one DP group's), recording into page_table and ops."""
+        args, plan = self.args, self.plan
+        state_pool, kv_pool = StatePool(plan.num_slots, ops), KVPool(plan.num_pages, plan.page_size, ops)
+        return Scheduler(state_pool, kv_pool, page_table, plan.max_running_requests, args.chunked_prefill_size,
+                         args.max_prefill_tokens, build_prefix_cache(args, state_pool, kv_pool, self.cache, plan),
+                         args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval,
+                         args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a distributed instance (nothing to do in one process)."""
@@ -235,6 +245,9 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _check_handoff(self, params: SamplingParams) -> None:
+        if isinstance(self.scheduler, DPScheduler):
+            raise ValueError("PD handoffs do not run with DP attention yet; serve this instance without "
+                             "--enable-dp-attention.")
         if params.n != 1:
             raise ValueError("a request split between prefill and decode instances must have n=1.")
 

@@ -2,13 +2,16 @@
 
 With several ranks, rank 0's runner turns the scheduled chunks into a `Step` (plain data: the cache copies and
 page-table changes since the last step, then the batch) and sends it to the other ranks, whose runners `execute`
-the same Step on their model shards; every rank of one stage ends with the full logits. With pipeline stages the
+the same Step on their model shards; every rank of one stage ends with the full logits. Under DP attention each
+DP group's pools have their own journal and page table (rank 0 records them all; a group's ranks apply its own),
+the chunks come group by group, and each rank's attention reads its group's chunks. With pipeline stages the
 step runs as micro-batches that flow from stage to stage (kestrel.distributed.pipeline), and the last stage sends
 the logits to rank 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,8 +33,8 @@ from .scheduler import ScheduledChunk
 class Step:
     """One step as every rank runs it."""
 
-    ops: list[Op]              # cache copies journaled since the last step (DeviceOps.take)
-    table: list[int]           # page-table changes since the last step (PageTable.take)
+    ops: list[list[Op]]        # per DP group: cache copies journaled since the last step (DeviceOps.take)
+    table: list[list[int]]     # per DP group: page-table changes since the last step (PageTable.take)
     token_ids: list[int]       # every chunk's new tokens, chunk after chunk
     starts: list[int]          # per chunk: tokens of its sequence already in the caches
     lengths: list[int]         # per chunk: new tokens
@@ -40,6 +43,14 @@ class Step:
     all_rows: list[int]        # chunks that need logits at every position
     samples: list[int]         # chunks that need logits at their last position
     verify: bool = False       # a speculative verification: KDA keeps every token's state (ForwardBatch)
+    groups: tuple[int, ...] = ()   # DP attention: chunks of each DP group (they come group by group)
+
+    def group_chunks(self, group: int) -> range:
+        """The chunks of DP group `group` (all of them without DP attention)."""
+        if not self.groups:
+            return range(len(self.lengths))
+        first = sum(self.groups[:group])
+        return range(first, first + self.groups[group])
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class Save:
     """Read cache parts on every rank (after applying the cache copies journaled since the last step), for rank 0
     to gather: a PD handoff's state."""
 
-    ops: list[Op]
+    ops: list[list[Op]]        # per DP group, as Step.ops
     parts: list[Part]
 
 
@@ -71,15 +82,18 @@ class ModelRunner:
     Each step first applies the cache copies journaled in ops since the last step, and the page table's changes.
     With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead.
     With peers (rank 0 of several), each step is sent to the other ranks before it runs here; a failure then
-    stops the instance: this and every later run raise RankFailure.
+    stops the instance: this and every later run raise RankFailure. Under DP attention rank 0's runner also takes
+    the other DP groups' page tables and journals (`other_groups`, in group order), whose changes it sends.
     """
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
-                 decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None):
+                 decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
+                 other_groups: list[tuple[PageTable, DeviceOps]] = ()):
         self.model = model
         self.cache = cache
         self.page_table = page_table
         self.ops = ops
+        self.journals = [(page_table, ops), *other_groups]
         self.device = model.device
         self.decode_graphs = decode_graphs
         self.peers = peers
@@ -95,11 +109,17 @@ class ModelRunner:
         chunks are speculative verifications (see Step)."""
         if self.failure is not None:
             raise RankFailure(self.failure)
-        step = Step(self.ops.take(), self.page_table.take(),
+        groups = ()
+        if len(self.journals) > 1:
+            order = [c.seq.dp_group for c in chunks]
+            if order != sorted(order):
+                raise ValueError("under DP attention a step's chunks come group by group.")
+            groups = tuple(order.count(g) for g in range(len(self.journals)))
+        step = Step([ops.take() for _, ops in self.journals], [table.take() for table, _ in self.journals],
                     [t for c in chunks for t in c.token_ids()],
                     [c.start for c in chunks], [c.length for c in chunks], [c.seq.slot for c in chunks],
                     max(len(c.seq.pages) for c in chunks), sorted(all_rows),
-                    [i for i, c in enumerate(chunks) if c.samples], verify)
+                    [i for i, c in enumerate(chunks) if c.samples], verify, groups)
         graphs = self.decode_graphs
         if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)
                 and graphs.fits(len(chunks), step.width)):
@@ -121,7 +141,7 @@ class ModelRunner:
         from every rank of a distributed instance: kestrel.engine.cache.shards)."""
         if self.failure is not None:
             raise RankFailure(self.failure)
-        message = Save(self.ops.take(), parts)
+        message = Save([ops.take() for _, ops in self.journals], parts)
         if self.peers is None:
             return self.read(message)
         try:
@@ -134,7 +154,7 @@ class ModelRunner:
 
     def read(self, save: Save) -> Entry:
         """This rank's share of save's parts."""
-        self._apply_ops(save.ops)
+        self._apply_ops(save.ops[self.model.par.layout.dp_rank])
         return read_parts(self.cache, save.parts)
 
     @torch.inference_mode()
@@ -144,7 +164,10 @@ class ModelRunner:
         self._apply_changes(step)
         if self.link is not None:
             return self._execute_stages(step)
-        batch = self._batch(step, range(len(step.lengths)))
+        batch = self._batch(step, step.group_chunks(self.model.par.layout.dp_rank))
+        if step.groups:
+            tokens = [sum(step.lengths[i] for i in step.group_chunks(g)) for g in range(len(step.groups))]
+            batch = dataclasses.replace(batch, dp_tokens=tuple(tokens))
         hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         self.hidden = hidden                  # [T, D]: what a model drafter reads after the step
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
@@ -196,7 +219,7 @@ class ModelRunner:
 
     def _batch(self, step: Step, chunks: range) -> ForwardBatch:
         """The ForwardBatch of step's chunks (a contiguous run of them)."""
-        slots = torch.tensor(step.slots[chunks.start:chunks.stop], device=self.device)
+        slots = torch.tensor(step.slots[chunks.start:chunks.stop], dtype=torch.long, device=self.device)
         return ForwardBatch.build(step.lengths[chunks.start:chunks.stop], step.starts[chunks.start:chunks.stop],
                                   slots, self.page_table.gather(slots, step.width), self.cache.page_size,
                                   self.device, keep_token_states=step.verify)
@@ -217,7 +240,8 @@ class ModelRunner:
                                for kind, a, b in ops])
 
     def _apply_changes(self, step: Step) -> None:
-        self._apply_ops(step.ops)
+        group = self.model.par.layout.dp_rank
+        self._apply_ops(step.ops[group])
         for state in self.cache.kda:        # the last verification's states are committed: drop the rest
             state.token_states = None
-        self.page_table.apply(step.table)
+        self.page_table.apply(step.table[group])

@@ -89,6 +89,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
         return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
                            ssm_dtype, kv_dtype, mtp_layers, draft_config)
 
+    args = args.dp_group_args()
     memory_plan = plan(args)
     prefix = f"rank {par.layout.rank}: " if control is not None else ""
     log.info("%s%s", prefix, memory_plan.describe())

@@ -78,6 +78,7 @@ class Sequence:
     last_snapshot: int = 0                # tokens computed at its last state snapshot
     prefilled: Handoff | None = None      # PD decode side: the prompt's state, loaded when it is admitted
     draft: tuple[int, ...] = ()           # speculative tokens proposed for its next step
+    dp_group: int = 0                     # DP attention: the DP group whose pools hold it (DPScheduler)
 
     @property
     def num_tokens(self) -> int:

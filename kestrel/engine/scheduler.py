@@ -69,6 +69,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
+    @property
+    def groups(self) -> list[Scheduler]:
+        """The DP groups' schedulers: this one alone (dp_scheduler.DPScheduler holds one per group)."""
+        return [self]
+
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)

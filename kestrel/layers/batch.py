@@ -27,6 +27,8 @@ class ForwardBatch:
     max_new: int                        # longest run of new tokens
     max_total: int                      # longest sequence after this call
     keep_token_states: bool = False     # speculative verification: KDA keeps every token's state, pools untouched
+    dp_tokens: tuple[int, ...] | None = None  # DP attention: every DP group's new tokens; this batch is this rank's
+                                              # group's, the model's stream holds all of them, group by group
 
     @classmethod
     def build(cls, new_lens: list[int], prefix_lens: list[int] | None = None,
@@ -112,6 +114,11 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.positions.numel()
+
+    @property
+    def stream_tokens(self) -> int:
+        """Tokens of the residual stream: every DP group's under DP attention, else this batch's."""
+        return self.num_tokens if self.dp_tokens is None else sum(self.dp_tokens)
 
     @property
     def seq_lens(self) -> torch.Tensor:

@@ -14,6 +14,11 @@ Built with a `Parallel` of more than one rank, the modules are those of one tens
 constructed at full size and take their per-rank shapes from kestrel.distributed.sharding before the weights load
 (models/checkpoint.py does both); compute_logits then returns the full vocabulary's logits on every rank.
 
+Under DP attention (`par.attn` a rank's DP group) every rank runs the residual stream of every DP group's tokens,
+group by group (batch.dp_tokens): the embedding, dense MLPs, MoE and LM head compute all of them, and each
+attention sublayer attends only the rank's group's tokens (its caches hold only that group's sequences), then
+gathers the groups' outputs (`DecoderLayer.attention`).
+
 Under pipeline parallelism a rank builds only its stage's layers (the others are `AbsentLayer`s, so every layer
 keeps its checkpoint name and index), the embedding on the first stage, the final norm, LM head and MTP layers on
 the last. A stage runs `run_layers` on the residual stream [n, T, D] it receives: the AttnRes block summaries
@@ -52,12 +57,13 @@ class DecoderLayer(nn.Module):
                  with_indexer: bool, par: Parallel = SINGLE):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
+        self.par = par
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         if kind == KDA:
-            self.self_attn = KimiDeltaAttention(config, cache_index, par)
+            self.self_attn = KimiDeltaAttention(config, cache_index, par.attn)
         else:
-            self.self_attn = GatedMLA(config, cache_index, with_indexer, par)
+            self.self_attn = GatedMLA(config, cache_index, with_indexer, par.attn)
         if config.is_moe_layer(layer_id):
             self.block_sparse_moe = MoE(config, par)
         else:
@@ -75,8 +81,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
         """Plain pre-norm residual block, x [T, D] -> [T, D]."""
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        x = x + self.attention(self.input_layernorm(x), batch, cache)
         return x + self.ffn(self.post_attention_layernorm(x))
+
+    def attention(self, h: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+        """The attention sublayer on its normed input h [T, D] -> [T, D]. Under DP attention h holds every DP
+        group's tokens: this rank's group attends its own, and the groups' outputs are gathered."""
+        if batch.dp_tokens is None:
+            return self.self_attn(h, batch, cache)
+        first = sum(batch.dp_tokens[:self.par.layout.dp_rank])
+        mine = h[first:first + batch.num_tokens]
+        return self.par.dp_gather(self.self_attn(mine, batch, cache) if batch.num_tokens else mine, batch.dp_tokens)
 
 
 class MTPLayer(DecoderLayer):
@@ -91,7 +106,7 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_id: int, cache_index: int, par: Parallel = SINGLE):
         super().__init__(config, layer_id, MLA, cache_index, attn_res=False, with_indexer=False, par=par)
-        self.par, self.vocab_size = par, config.vocab_size
+        self.vocab_size = config.vocab_size
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
@@ -114,7 +129,7 @@ class MTPLayer(DecoderLayer):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """h'' [T, D] -> logits [T, vocab]."""
-        return gather_vocab(self.shared_head.head(self.shared_head.norm(x)), self.vocab_size, self.par)
+        return gather_vocab(self.shared_head.head(self.shared_head.norm(x)), self.vocab_size, self.par.attn)
 
 
 class AbsentLayer(nn.Module):
@@ -134,7 +149,7 @@ class KimiTextModel(nn.Module):
         d = config.hidden_size
         attn_res = config.attn_res_block_size is not None
         if self.first_stage or (self.last_stage and config.tie_word_embeddings):
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, par)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, par.attn)
         layers: list[nn.Module] = []
         counts = {KDA: 0, MLA: 0}           # the stage's own caches: cache indices count its layers only
         for i, kind in enumerate(config.layer_types):
@@ -204,7 +219,7 @@ class KimiTextModel(nn.Module):
             if i % self.config.attn_res_block_size == 0:
                 blocks.append(partial)
                 partial = torch.zeros_like(partial)
-            partial = partial + layer.self_attn(h, batch, cache)
+            partial = partial + layer.attention(h, batch, cache)
             partial = partial + layer.ffn(mixed(layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm))
         return torch.stack(blocks + [partial])
 
@@ -227,14 +242,14 @@ class KimiForCausalLM(nn.Module):
 
         With a cache, reads each sequence's state slot and pages and writes the new tokens into them.
         """
-        if input_ids.shape != (batch.num_tokens,):
+        if input_ids.shape != (batch.stream_tokens,):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the batch describes "
-                             f"{batch.num_tokens} tokens.")
+                             f"{batch.stream_tokens} tokens.")
         return self.model(input_ids, batch, cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, D] -> logits [R, vocab] in fp32."""
-        return gather_vocab(self.lm_head(self.model.norm(hidden)).float(), self.config.vocab_size, self.par)
+        return gather_vocab(self.lm_head(self.model.norm(hidden)).float(), self.config.vocab_size, self.par.attn)
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:

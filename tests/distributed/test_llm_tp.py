@@ -1,5 +1,5 @@
-"""kestrel.LLM with tp_size=2 (and dcp_size=2) or pp_size=2 (one spawned rank process, gloo): greedy tokens equal
-one process's; a rank that dies fails the requests with an error naming it, every later step fails at once, and no
+"""kestrel.LLM with tp_size=2 (and dcp_size=2, or DP attention) or pp_size=2 (one spawned rank process, gloo):
+greedy tokens equal one process's; a rank that dies fails the requests with an error naming it, every later step fails at once, and no
 process is left."""
 
 from __future__ import annotations
@@ -41,6 +41,27 @@ def test_pp2_greedy_tokens_equal_one_process(expected):
         assert [o.token_ids for o in twins[0].outputs] == [expected[1]] * 2
         assert llm.engine.scheduler.state_pool.num_slots == 8
         assert (len(llm.engine.cache.kda), len(llm.engine.cache.mla)) == (3, 0)      # rank 0: the first stage
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_dp_attention_greedy_tokens_equal_one_process(expected):
+    """TP2 with two DP attention groups: each rank attends its own group's sequences with the whole attention and
+    holds their caches only (half the slots: --max-mamba-cache-size counts both groups'), the experts split over
+    both ranks compute every group's tokens; the three prompts land in both groups, n > 1 forks inside one, a
+    repeated prompt hits its group's prefix cache; PD handoffs are refused."""
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, dp_size=2, enable_dp_attention=True, **ARGS)
+    try:
+        assert tokens(llm) == expected
+        groups = llm.engine.scheduler.groups
+        assert [g.state_pool.num_slots for g in groups] == [4, 4]
+        assert all(g.prefix_cache.stats.prompt_tokens > 0 for g in groups)         # both groups ran prompts
+        twins = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))
+        assert [o.token_ids for o in twins[0].outputs] == [expected[1]] * 2
+        assert sum(g.prefix_cache.stats.cached_tokens for g in groups) > 0
+        with pytest.raises(ValueError, match="PD handoffs do not run with DP attention"):
+            llm.engine.add_request("pd", [5, 6, 7], GREEDY, handoff=lambda handoff: None)
     finally:
         llm.engine.shutdown()
     assert not multiprocessing.active_children()

@@ -11,6 +11,8 @@ copied by the DeviceOps journal; then the engine's load_shard plans and allocate
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from kestrel.cookbook.calculator import CacheSettings
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.planner import PlanRequest, plan
 from kestrel.distributed.launch import RankSpec, Workers
-from kestrel.distributed.traffic import kestrel_dcp_traffic, pp_traffic, tp_traffic
+from kestrel.distributed.traffic import dp_attention_traffic, kestrel_dcp_traffic, pp_traffic, tp_traffic
 from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
@@ -35,9 +37,11 @@ MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXF
           "kimi-linear": ("kimi-linear-tiny", {}),
           "k3.1-wide": ("k3.1-tiny", {"moe_intermediate_size": 128, "linear_attn_config": {"num_heads": 4},
                                       "dsa_config": {"index_n_heads": 4}})}       # every width splits 4 ways
-CASES = [("k3.1", 2, 1, 1, 1), ("k3.1", 2, 2, 1, 1), ("kimi-linear", 2, 1, 1, 1), ("kimi-linear", 2, 2, 1, 1),
-         ("k3.1", 1, 1, 2, 1), ("kimi-linear", 1, 1, 2, 1), ("k3.1", 2, 1, 2, 1),
-         ("k3.1", 2, 1, 1, 2), ("kimi-linear", 2, 1, 1, 2), ("k3.1-wide", 4, 1, 1, 2)]   # (model, tp, ep, pp, dcp)
+CASES = [("k3.1", 2, 1, 1, 1, 1), ("k3.1", 2, 2, 1, 1, 1), ("kimi-linear", 2, 1, 1, 1, 1),
+         ("kimi-linear", 2, 2, 1, 1, 1), ("k3.1", 1, 1, 2, 1, 1), ("kimi-linear", 1, 1, 2, 1, 1),
+         ("k3.1", 2, 1, 2, 1, 1), ("k3.1", 2, 1, 1, 2, 1), ("kimi-linear", 2, 1, 1, 2, 1),
+         ("k3.1-wide", 4, 1, 1, 2, 1), ("k3.1", 2, 1, 1, 1, 2), ("kimi-linear", 2, 2, 1, 1, 2),
+         ("k3.1-wide", 4, 2, 1, 1, 2)]    # (model, tp, ep, pp, dcp, dp: DP attention groups)
 RANK_TIMEOUT_S = 240
 POOL_BUDGET = 256 * 2**20
 """Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
@@ -68,15 +72,15 @@ def pool_fraction(ranks: int) -> float:
     return POOL_BUDGET / (device_memory(torch.device("cpu")) // ranks)
 
 
-def case_name(model: str, tp: int, ep: int, pp: int, dcp: int) -> str:
-    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}"
+def case_name(model: str, tp: int, ep: int, pp: int, dcp: int, dp: int) -> str:
+    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}-dp{dp}"
 
 
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
     """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks)."""
     results = {}
-    for world in sorted({tp * pp for _, tp, _, pp, _ in CASES}):
+    for world in sorted({tp * pp for _, tp, _, pp, _, _ in CASES}):
         out = tmp_path_factory.mktemp("ranks") / "logits.pt"
         cases = [(case_name(*case), folders[case[0]], *case[1:]) for case in CASES if case[1] * case[3] == world]
         port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
@@ -93,11 +97,11 @@ def rank_results(folders, tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
-def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", CASES)
+def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp, dp):
     single = load_model(folders[model], torch.float32)
     expected = oracle(single)
-    got = rank_results[case_name(model, tp, ep, pp, dcp)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp)]
     for name in SEQUENCES:
         first = FORK_AT if name == "D" else 0          # the fork's own tokens (its prompt is B's)
         torch.testing.assert_close(got[name], expected[name][first:], **TOLERANCE,
@@ -106,29 +110,29 @@ def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, 
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
-def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", [case for case in CASES if case[5] == 1])   # PD refuses DP
+def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp, dp):
     """Sequence A's state and pages, read on every rank and gathered (kestrel.engine.cache.shards), equal what one
     process's caches hold after the same steps: what a PD handoff sends, in any layout."""
     single = load_model(folders[model], torch.float32)
     _, runner = run_script(single, ParallelLayout())
-    expected = runner.read(Save([], handoff_parts_of_a()))
-    got = rank_results[case_name(model, tp, ep, pp, dcp)]["handoff"]
+    expected = runner.read(Save([[]], handoff_parts_of_a()))
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp)]["handoff"]
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
-def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", CASES)
+def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp, dp):
     """`kestrel plan --engine kestrel` plans each stage's rank 0, the heaviest of its stage (uneven splits give
     the first rank more): the heaviest rank's weights, and the pools all ranks agree on; each rank allocates them
-    for its own stage's layers only."""
+    for its own stage's layers only (under DP attention, for its DP group's sequences)."""
     planned = plan(PlanRequest(model=folders[model], hardware="cpu", dtype="fp32",
-                               layout=Layout(tp=tp, ep=ep, pp=pp, dcp=dcp), cache=CacheSettings(kv_dtype="fp32"),
+                               layout=Layout(tp=tp, dp=dp, ep=ep, pp=pp, dcp=dcp), cache=CacheSettings(kv_dtype="fp32"),
                                mem_fraction=pool_fraction(tp * pp), ratio=RATIO, engine="kestrel", batches=(1,),
                                compare_devices=False))
-    ranks = rank_results[case_name(model, tp, ep, pp, dcp)]["pools"]
+    ranks = rank_results[case_name(model, tp, ep, pp, dcp, dp)]["pools"]
     assert max(rank["weight_bytes"] for rank in ranks) == planned.weight_bytes_per_rank_total
     slots, kv_tokens = planned.pools.state_slots, planned.pools.kv_tokens
     for rank in ranks:
@@ -140,20 +144,23 @@ def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, mod
     assert sum(len(rank["kv_tokens"]) for rank in first_tp_ranks) == len(config.mla_layers)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp", CASES)
-def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp):
-    """Parallel.bytes_sent (one stage: the TP collectives) and the stage link's bytes (rank 0's stream to the
-    second stage) over the scripted steps equal kestrel/distributed/traffic.py (float32 activations)."""
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", CASES)
+def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp, dp):
+    """Parallel.bytes_sent (one stage: the TP collectives; rank 0's, of DP group 0) and the stage link's bytes
+    (rank 0's stream to the second stage) over the scripted steps equal kestrel/distributed/traffic.py (float32
+    activations)."""
     config = load_config(folders[model])
-    got = rank_results[case_name(model, tp, ep, pp, dcp)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp)]
     if pp == 1:
-        expected = {"all_reduce": 0, "all_gather": 0}
-        for forward in forwards():
-            counts = tp_traffic(config, tp, forward, 4, dcp) | kestrel_dcp_traffic(config, tp, dcp, forward, 4)
-            for kind, n in counts.items():
-                expected[kind] = expected.get(kind, 0) + n
-        assert got["bytes_sent"] == expected
+        expected = Counter()
+        for groups in forwards(dp):
+            if dp > 1:
+                expected.update(dp_attention_traffic(config, tp, dp, groups, 0, 4))
+            else:
+                expected.update(tp_traffic(config, tp, groups[0], 4, dcp) |
+                                kestrel_dcp_traffic(config, tp, dcp, groups[0], 4))
+        assert got["bytes_sent"] == {kind: n for kind, n in expected.items() if n}
         return
     second_stage = config.num_hidden_layers // pp
     assert got["stage_bytes_sent"] == {"stream": sum(pp_traffic(config, second_stage, f, 4)["stream"]
-                                                     for f in forwards())}
+                                                     for [f] in forwards())}

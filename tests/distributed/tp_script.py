@@ -25,7 +25,7 @@ A, B, C = (torch.randint(3, 250, (n,), generator=_gen).tolist() for n in (32, 10
 FORK_AT = 6
 D = B[:FORK_AT] + torch.randint(3, 250, (4,), generator=_gen).tolist()   # forks from B after B's 6-token prompt
 SEQUENCES = {"A": A, "B": B, "C": C, "D": D}
-SLOTS = {"A": 0, "B": 1, "C": 2, "D": 3}
+GROUPS = {"A": 0, "B": 1, "C": 0, "D": 1}   # under DP attention: each sequence's DP group (D forks B)
 # per step: (name, start, length) of each chunk
 CHUNKS = [[("A", 0, 11), ("B", 0, 6)],
           [("A", 11, 14), ("B", 6, 1), ("C", 0, 1), ("D", 6, 1)],
@@ -34,30 +34,56 @@ CHUNKS = [[("A", 0, 11), ("B", 0, 6)],
           [("A", 31, 1), ("B", 9, 1), ("C", 3, 1), ("D", 9, 1)]]
 
 
+def group_of(name: str, dp: int) -> int:
+    return GROUPS[name] if dp > 1 else 0
+
+
+def slots(dp: int = 1) -> dict[str, int]:
+    """Each sequence's state slot in its DP group's pools (in name order within a group)."""
+    names = sorted(SEQUENCES)
+    return {name: [n for n in names if group_of(n, dp) == group_of(name, dp)].index(name) for name in names}
+
+
+SLOTS = slots()
+
+
+def step_chunks(dp: int = 1) -> list[list[tuple[str, int, int]]]:
+    """CHUNKS with each step's chunks group by group (as DPScheduler hands them out)."""
+    return [sorted(chunks, key=lambda c: group_of(c[0], dp)) for chunks in CHUNKS]
+
+
 def _row(slot: int, pages: list[int]) -> list[int]:
     return [x for column, page in enumerate(pages) for x in (slot, column, page)]
 
 
-def steps() -> list[Step]:
-    own = {name: [ROW * slot + i for i in range(ROW)] for name, slot in SLOTS.items()}
-    table = {1: _row(0, own["A"]) + _row(1, own["B"]) + _row(2, own["C"]),
-             # D shares B's full first page and gets a copy of B's half-full second page
-             2: _row(3, [own["B"][0], own["D"][1]] + own["D"][2:])}
-    ops = {2: [("slots", [SLOTS["B"]], [SLOTS["D"]]), ("pages", [own["B"][1]], [own["D"][1]])]}
+def steps(dp: int = 1) -> list[Step]:
+    slot = slots(dp)
+    own = {name: [ROW * s + i for i in range(ROW)] for name, s in slot.items()}
+    group = {name: group_of(name, dp) for name in SEQUENCES}
     out = []
-    for i, chunks in enumerate(CHUNKS, 1):
+    for i, chunks in enumerate(step_chunks(dp), 1):
+        table, ops = [[] for _ in range(dp)], [[] for _ in range(dp)]      # per DP group
+        if i == 1:
+            for name in ("A", "B", "C"):
+                table[group[name]] += _row(slot[name], own[name])
+        if i == 2:      # D shares B's full first page and gets a copy of B's half-full second page
+            table[group["D"]] += _row(slot["D"], [own["B"][0], own["D"][1]] + own["D"][2:])
+            ops[group["D"]] += [("slots", [slot["B"]], [slot["D"]]), ("pages", [own["B"][1]], [own["D"][1]])]
         width = max(-(-(start + length) // PAGE) for _, start, length in chunks)
-        out.append(Step(ops.get(i, []), table.get(i, []),
-                        [t for name, start, length in chunks for t in SEQUENCES[name][start:start + length]],
-                        [c[1] for c in chunks], [c[2] for c in chunks], [SLOTS[c[0]] for c in chunks], width,
-                        list(range(len(chunks))), []))
+        counts = tuple(sum(group[c[0]] == g for c in chunks) for g in range(dp)) if dp > 1 else ()
+        out.append(Step(ops, table, [t for name, start, length in chunks for t in SEQUENCES[name][start:start + length]],
+                        [c[1] for c in chunks], [c[2] for c in chunks], [slot[c[0]] for c in chunks], width,
+                        list(range(len(chunks))), [], groups=counts))
     return out
 
 
-def forwards() -> list[Forward]:
-    """The shape of each scripted step (every position's logits), for the traffic formula."""
-    return [Forward(sum(c[2] for c in chunks), len(chunks), max(c[2] for c in chunks),
-                    max(c[1] + c[2] for c in chunks), sum(c[2] for c in chunks)) for chunks in CHUNKS]
+def forwards(dp: int = 1) -> list[list[Forward]]:
+    """The shape of each scripted step's share of each DP group (every position's logits), for the traffic
+    formulas."""
+    def shape(chunks):
+        return Forward(sum(c[2] for c in chunks), len(chunks), max((c[2] for c in chunks), default=0),
+                       max((c[1] + c[2] for c in chunks), default=0), sum(c[2] for c in chunks))
+    return [[shape([c for c in chunks if group_of(c[0], dp) == g]) for g in range(dp)] for chunks in CHUNKS]
 
 
 def handoff_parts_of_a() -> list:
@@ -72,9 +98,10 @@ def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> tuple[dict[str
                                  torch.float32, device="cpu", dcp_size=layout.dcp_size)
     runner = ModelRunner(model, cache, PageTable(len(SLOTS), ROW, 0, "cpu"), None)
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in SEQUENCES}
-    for step, chunks in zip(steps(), CHUNKS):
+    for step, chunks in zip(steps(layout.dp_size), step_chunks(layout.dp_size)):
         for (name, _, _), logits in zip(chunks, runner.execute(step)):
-            if logits is not None:       # under pipeline parallelism only rank 0 gets logits
+            if logits is not None:       # under pipeline parallelism only rank 0 gets logits (under DP attention
+                # every rank gets every group's)
                 rows[name].append(logits)
     out = {name: torch.cat(parts) for name, parts in rows.items() if parts}
     if runner.link is not None:
@@ -111,13 +138,14 @@ def allocated_pools(args, par, control) -> dict[str, int]:
             "kv_tokens": [layer.latent.values.shape[0] for layer in shard.cache.mla]}    # per MLA layer
 
 
-def rank_main(spec, cases: list[tuple[str, str, int, int, int, int]], out: str, pool_args: dict) -> None:
-    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size, dcp_size), this
-    rank's shard runs the script (and the MTP layer, in one stage), then the engine loads the case (EngineArgs of
+def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int]], out: str, pool_args: dict) -> None:
+    """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size, dcp_size,
+    dp_size with DP attention), this rank's shard runs the script (and the MTP layer, in one stage), its share of
+    A's state is gathered (not under DP attention, which PD refuses), then the engine loads the case (EngineArgs of
     pool_args) and allocates its pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
 
-    from kestrel.distributed.launch import dcp_groups, init_process_groups, tp_group
+    from kestrel.distributed.launch import dcp_groups, dp_groups, init_process_groups, tp_group
     from kestrel.distributed.parallel import Parallel
     from kestrel.engine.args import EngineArgs
     from kestrel.models.checkpoint import load_model
@@ -126,20 +154,20 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int]], out: str, 
     _, control = init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"),
                                      timeout_s=120)
     results = {}
-    for name, folder, tp, ep, pp, dcp in cases:
-        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp)
-        par = Parallel(layout, tp_group(layout), dcp_groups=dcp_groups(layout))
+    for name, folder, tp, ep, pp, dcp, dp in cases:
+        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp, dp)
+        par = Parallel(layout, tp_group(layout), dcp_groups=dcp_groups(layout), dp_groups=dp_groups(layout))
         model = load_model(folder, torch.float32, "cpu", par)
         results[name], runner = run_script(model, layout)
         results[name]["bytes_sent"] = dict(par.bytes_sent)
-        entries = [None] * spec.world_size
-        dist.all_gather_object(entries, runner.read(Save([], handoff_parts_of_a())), group=control)
-        results[name]["handoff"] = gather_entry(entries, layout, model.config)
+        if dp == 1:
+            entries = [None] * spec.world_size
+            dist.all_gather_object(entries, runner.read(Save([[]], handoff_parts_of_a())), group=control)
+            results[name]["handoff"] = gather_entry(entries, layout, model.config)
         if model.config.num_nextn_predict_layers and pp == 1:
             results[name]["mtp"] = mtp_logits(model)
         pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, pp_size=pp, dcp_size=dcp,
-                                           **pool_args), par,
-                                control)
+                                           dp_size=dp, enable_dp_attention=dp > 1, **pool_args), par, control)
         gathered = [None] * spec.world_size
         dist.all_gather_object(gathered, pools, group=control)
         results[name]["pools"] = gathered

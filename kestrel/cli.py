@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1, help="also the weights each rank of this layout loads")
     p.add_argument("--ep-size", type=int, default=1, help="expert parallelism over the TP ranks")
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (each rank loads its stage's layers)")
+    p.add_argument("--dp-size", type=int, default=1, help="DP attention groups of the TP ranks (--enable-dp-attention)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_inspect)
 
@@ -124,10 +125,10 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_args, ServerOptions.from_cli(args, name), args.host, args.port)
 
 
-def _rank_weight_bytes(config, tp: int, ep: int, pp: int) -> list[int]:
-    """Weight bytes each rank of a TP x EP x PP layout loads, by the engine's sharding rules and its stages' modules
-    (bfloat16 where unquantized)."""
-    layout = ParallelLayout(tp, ep, 0, pp)
+def _rank_weight_bytes(config, tp: int, ep: int, pp: int, dp: int) -> list[int]:
+    """Weight bytes each rank of a TP x EP x PP layout (with dp DP attention groups) loads, by the engine's sharding
+    rules and its stages' modules (bfloat16 where unquantized)."""
+    layout = ParallelLayout(tp, ep, 0, pp, dp_size=dp)
     layout.check_model(config)
     stages = [build_model(config, torch.bfloat16, "meta", Parallel.for_shapes(layout.with_rank(s * tp)))
               for s in range(pp)]
@@ -137,7 +138,7 @@ def _rank_weight_bytes(config, tp: int, ep: int, pp: int) -> list[int]:
 def _inspect(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     report = inspect_config(config)
-    per_rank = _rank_weight_bytes(config, args.tp_size, args.ep_size, args.pp_size) \
+    per_rank = _rank_weight_bytes(config, args.tp_size, args.ep_size, args.pp_size, args.dp_size) \
         if args.tp_size * args.pp_size > 1 else None
     if args.json:
         print(json.dumps({**report.as_dict(), **({"weight_bytes_per_rank": per_rank} if per_rank else {})}, indent=2))
@@ -157,8 +158,8 @@ def _inspect(args: argparse.Namespace) -> int:
              ("MLA cache per token (bf16)", f"{report.kv_bytes_per_token:,} B"),
              ("KDA state per sequence (fp32)", _bytes(report.state_bytes_per_sequence))]
     if per_rank:
-        layout = f"TP{args.tp_size}" + "".join(f" x {name}{size}" for name, size in (("EP", args.ep_size),
-                                                                                      ("PP", args.pp_size)) if size > 1)
+        sizes = (("DP", args.dp_size), ("EP", args.ep_size), ("PP", args.pp_size))
+        layout = f"TP{args.tp_size}" + "".join(f" x {name}{size}" for name, size in sizes if size > 1)
         rows.append((f"weights per rank ({layout})", ", ".join(_bytes(n) for n in per_rank)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

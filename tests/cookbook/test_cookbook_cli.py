@@ -93,6 +93,8 @@ def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):
     assert main(["inspect", str(BUNDLED_MODEL), "--tp-size", "2", "--json"]) == 0
     tp2 = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]
     assert sum(staged) == sum(tp2) and 0 < sum(staged[:2]) < sum(tp2)     # the two stages split TP2's weights
-    with pytest.raises(ValueError, match="dp_size > 1 is not supported yet"):
-        run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dp", "2", "--engine",
-            "kestrel")
+    assert main(["inspect", str(BUNDLED_MODEL), "--tp-size", "2", "--dp-size", "2", "--json"]) == 0
+    dp2 = json.loads(capsys.readouterr().out)["weight_bytes_per_rank"]     # attention whole on each rank
+    assert run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dp", "2", "--engine",
+               "kestrel", "--batch", "1", "--json") == 0
+    assert max(dp2) == json.loads(capsys.readouterr().out)["weight_bytes_per_rank_total"] and min(dp2) > max(tp2)

@@ -69,8 +69,12 @@ def test_layouts_kestrel_cannot_run_are_refused():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"dp_size": 2}, "dp_size > 1 is not supported yet"), ({"enable_dp_attention": True}, "enable_dp_attention is not"),
-    ({"dcp_size": 4}, r"dcp_size \(4\) must divide tp_size \(2\)"),
+    ({"dp_size": 2}, "without --enable-dp-attention runs whole replicas"),
+    ({"dp_size": 3, "enable_dp_attention": True}, r"dp_size \(3\) must divide tp_size \(2\)"),
+    ({"dp_size": 2, "enable_dp_attention": True, "pp_size": 2}, "DP attention does not run with --pp-size"),
+    ({"dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NGRAM"},
+     "DP attention does not run with --speculative-algorithm"),
+    ({"dcp_size": 4}, r"dcp_size \(4\) must divide the attention TP size \(2\)"),
     ({"dcp_size": 2, "page_size": 3}, "must be a multiple of --dcp-size 2"), ({"nnodes": 2}, "needs --dist-init-addr"),
     ({"pp_size": 2, "speculative_algorithm": "NEXTN"}, "hidden states do not run over pipeline stages")])
 def test_engine_refuses_parallelism_it_does_not_implement(kwargs, message):

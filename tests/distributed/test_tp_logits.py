@@ -4,7 +4,9 @@ model's (float32), and the pools every rank allocates are what `kestrel plan --e
 One spawned group per world size runs its cases: K3.1-tiny (indexer, AttnRes, latent MXFP4 MoE, MTP) and a
 Kimi-Linear-shaped model, at TP2 (experts split by intermediate width), TP2 with EP2 (experts split by expert) and
 PP2 (K3.1's first stage has no MLA layer, its AttnRes blocks cross the cut) and TP2 x DCP2, K3.1 at TP2 x PP2 and
-a K3.1 whose every width splits four ways at TP4 x DCP2 (two DCP groups), through the
+a K3.1 whose every width splits four ways at TP4 x DCP2 (two DCP groups); with DP attention K3.1 at TP2 x DP2,
+Kimi-Linear at TP2 x EP2 x DP2 and the four-way K3.1 at TP4 x EP2 x DP2 (two ranks per DP group; sequences A, C in
+group 0 and B, D in group 1, each group's caches holding its own), through the
 scripted steps of tp_script.py: mixed-length chunked prefill, decode, and a fork whose state slot and page are
 copied by the DeviceOps journal; then the engine's load_shard plans and allocates each case's pools.
 """

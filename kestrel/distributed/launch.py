@@ -109,16 +109,12 @@ def dp_groups(layout: ParallelLayout) -> tuple[dist.ProcessGroup | None, dist.Pr
         return None, None
     if layout.pp_size > 1:
         raise ValueError("DP attention runs in one pipeline stage.")
-    size, attn_group = layout.attn_tp_size, None
-    if size > 1:
-        for g in range(layout.dp_size):
-            made = dist.new_group([g * size + i for i in range(size)])
-            if g == layout.dp_rank:
-                attn_group = made
+    size = layout.attn_tp_size
     if size == 1:
         return None, dist.group.WORLD
+    groups = [dist.new_group([g * size + i for i in range(size)]) for g in range(layout.dp_size)]
     across = [dist.new_group([g * size + i for g in range(layout.dp_size)]) for i in range(size)]
-    return attn_group, across[layout.attn_tp_rank]
+    return groups[layout.dp_rank], across[layout.attn_tp_rank]
 
 
 def dcp_groups(layout: ParallelLayout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

@@ -1,6 +1,6 @@
 """kestrel.LLM with tp_size=2 (and dcp_size=2, or DP attention) or pp_size=2 (one spawned rank process, gloo):
-greedy tokens equal one process's; a rank that dies fails the requests with an error naming it, every later step fails at once, and no
-process is left."""
+greedy tokens equal one process's; a rank that dies fails the requests with an error naming it, every later step
+fails at once, and no process is left."""
 
 from __future__ import annotations
 

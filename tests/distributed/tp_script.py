@@ -71,9 +71,9 @@ def steps(dp: int = 1) -> list[Step]:
             ops[group["D"]] += [("slots", [slot["B"]], [slot["D"]]), ("pages", [own["B"][1]], [own["D"][1]])]
         width = max(-(-(start + length) // PAGE) for _, start, length in chunks)
         counts = tuple(sum(group[c[0]] == g for c in chunks) for g in range(dp)) if dp > 1 else ()
-        out.append(Step(ops, table, [t for name, start, length in chunks for t in SEQUENCES[name][start:start + length]],
-                        [c[1] for c in chunks], [c[2] for c in chunks], [slot[c[0]] for c in chunks], width,
-                        list(range(len(chunks))), [], groups=counts))
+        ids = [t for name, start, length in chunks for t in SEQUENCES[name][start:start + length]]
+        out.append(Step(ops, table, ids, [c[1] for c in chunks], [c[2] for c in chunks],
+                        [slot[c[0]] for c in chunks], width, list(range(len(chunks))), [], groups=counts))
     return out
 
 

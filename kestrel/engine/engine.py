@@ -133,9 +133,11 @@ class LLMEngine:
                          args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0)
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a distributed instance (nothing to do in one process)."""
+        """Stop the other ranks of a distributed instance (nothing to do in one process); after a failed step
+        without a word (they may wait in a collective that will never complete)."""
         if self.ranks is not None:
-            self.ranks.stop()
+            runner = getattr(self, "runner", None)        # (None while __init__ fails)
+            self.ranks.stop(failed=runner is not None and runner.failure is not None)
 
     def rank_failure(self) -> str | None:
         """Why a distributed instance can run no more steps (a step failed, or a rank this process spawned

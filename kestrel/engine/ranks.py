@@ -194,17 +194,22 @@ class Ranks:
                 return "; ".join(dead) + " (its log says why)"
         return f"{type(error).__name__}: {error}"
 
-    def stop(self) -> None:
-        """Tell the other ranks to exit (if they still listen) and wait for the ones this process spawned."""
+    def stop(self, failed: bool = False) -> None:
+        """Tell the other ranks to exit (if they still listen) and wait for the ones this process spawned. failed:
+        a step failed, so the others may sit in a collective this rank left: the spawned ones are stopped at once,
+        unasked (ranks launched elsewhere see this one's connections close)."""
         if self.stopped:
             return
         self.stopped = True
-        if dist.is_initialized():
+        if failed and self.workers is not None:
+            self.workers.stop(timeout=0)
+        if dist.is_initialized() and not failed:
             try:
                 if self.workers is None or not self.workers.failures():
                     self.channel.send(None)
             except Exception:      # a rank is gone: the others see its connection close and exit on their own
                 pass
+        if dist.is_initialized():
             dist.destroy_process_group()
         if self.workers is not None:
             self.workers.stop()

@@ -62,9 +62,16 @@ def test_dp_attention_greedy_tokens_equal_one_process(expected):
         assert sum(g.prefix_cache.stats.cached_tokens for g in groups) > 0
         with pytest.raises(ValueError, match="PD handoffs do not run with DP attention"):
             llm.engine.add_request("pd", [5, 6, 7], GREEDY, handoff=lambda handoff: None)
+        # a step that raises on rank 0 while rank 1 computes it (and waits in a collective rank 0 never joins):
+        # the requests fail, and shutdown stops rank 1 unasked (a stop message would wait out the collective)
+        llm.engine.model.forward = lambda *args: (_ for _ in ()).throw(RuntimeError("boom"))
+        outputs = llm.generate(PROMPTS[:1], GREEDY)
+        assert outputs[0].outputs[0].finish_reason == "error" and "boom" in outputs[0].outputs[0].stop_reason
+        sent = []
+        llm.engine.ranks.channel.send = sent.append
     finally:
         llm.engine.shutdown()
-    assert not multiprocessing.active_children()
+    assert sent == [] and not multiprocessing.active_children()
 
 
 def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_requests(expected):

@@ -84,14 +84,14 @@ def dp_attention_traffic(config: ModelConfig, tp: int, dp: int, groups: list[For
 
 def _tp_traffic(config: ModelConfig, tp: int, attn_tp: int, whole: Forward, own: Forward, act_bytes: int,
                 dcp: int) -> dict[str, int]:
-    """all_reduce and all_gather bytes of one rank: the FFNs over `whole`'s tokens on tp ranks, attention over
+    """all_reduce and all_gather bytes of one rank (tp > 1): the FFNs over `whole`'s tokens on tp ranks, attention over
     `own`'s on attn_tp ranks, the embedding and logits over `whole`'s on attn_tp ranks."""
     t, hidden = whole.tokens, config.hidden_size
     moe = _moe_layers(config)
     dense = config.num_hidden_layers - moe
     latent = config.routed_expert_hidden_size is not None
     moe_width = (config.expert_dim + (hidden if config.num_shared_experts else 0)) if latent else hidden
-    rows = (dense * t * hidden + moe * t * moe_width) if tp > 1 else 0
+    rows = dense * t * hidden + moe * t * moe_width
     scores = logits = 0
     if attn_tp > 1:
         rows += ((len(config.kda_layers) + len(config.mla_layers)) * own.tokens + t) * hidden

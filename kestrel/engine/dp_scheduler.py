@@ -9,6 +9,7 @@ has.
 
 from __future__ import annotations
 
+from .cache.kv_pool import KVPool
 from .request import Sequence
 from .scheduler import ScheduledChunk, Scheduler
 
@@ -33,7 +34,7 @@ class DPScheduler:
         return self.groups[0].max_running
 
     @property
-    def kv_pool(self):
+    def kv_pool(self) -> KVPool:
         """A group's KV pool (every group's pools have the same sizes): what one request can use."""
         return self.groups[0].kv_pool
 

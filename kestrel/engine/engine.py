@@ -247,7 +247,7 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _check_handoff(self, params: SamplingParams) -> None:
-        if isinstance(self.scheduler, DPScheduler):
+        if len(self.scheduler.groups) > 1:
             raise ValueError("PD handoffs do not run with DP attention yet; serve this instance without "
                              "--enable-dp-attention.")
         if params.n != 1:

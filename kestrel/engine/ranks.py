@@ -203,13 +203,12 @@ class Ranks:
         self.stopped = True
         if failed and self.workers is not None:
             self.workers.stop(timeout=0)
-        if dist.is_initialized() and not failed:
+        if dist.is_initialized():
             try:
-                if self.workers is None or not self.workers.failures():
+                if not failed and (self.workers is None or not self.workers.failures()):
                     self.channel.send(None)
             except Exception:      # a rank is gone: the others see its connection close and exit on their own
                 pass
-        if dist.is_initialized():
             dist.destroy_process_group()
         if self.workers is not None:
             self.workers.stop()

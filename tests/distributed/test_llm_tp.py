@@ -64,7 +64,10 @@ def test_dp_attention_greedy_tokens_equal_one_process(expected):
             llm.engine.add_request("pd", [5, 6, 7], GREEDY, handoff=lambda handoff: None)
         # a step that raises on rank 0 while rank 1 computes it (and waits in a collective rank 0 never joins):
         # the requests fail, and shutdown stops rank 1 unasked (a stop message would wait out the collective)
-        llm.engine.model.forward = lambda *args: (_ for _ in ()).throw(RuntimeError("boom"))
+        def fail(*args):
+            raise RuntimeError("boom")
+
+        llm.engine.model.forward = fail
         outputs = llm.generate(PROMPTS[:1], GREEDY)
         assert outputs[0].outputs[0].finish_reason == "error" and "boom" in outputs[0].outputs[0].stop_reason
         sent = []

@@ -35,9 +35,12 @@ What runs:
    here: 0.7-5 tok/s on two threads against 400-800 tok/s on one, for the bundled-size model's batch-1 decode).
    kestrel: its engine stepped here (LLM(..., dtype="float32") with token-id prompts and greedy SamplingParams),
    decode timed from the step where every sequence has its first token to the end, prefill from add_request to
-   the request's end (its first token); eager, and with `enable_torch_compile=True` when EngineArgs has that field
-   (compiling happens in the untimed first runs; their extra time is reported, with any step that failed to
-   compile).
+   the request's end (its first token); in three configurations (KESTREL): eager and compiled
+   (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's default: 0.53 bytes per expert
+   weight, expanded as they are read), and compiled with a float32 copy of the experts
+   (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like
+   one). Compiling happens in the untimed first runs; their extra time is reported, with any step that failed to
+   compile. Prefills are not compiled: the two compiled configurations differ there only by the experts.
 5. Writes the section "llamacpp" of docs/benchmarks.md: versions, the logits agreement, a table per model, and
    the issue's targets (437M: batch-1 decode >= llama.cpp, 32-sequence decode >= 1.5x; bundled-size: batch-1
    decode within 2x; prefill >= llama.cpp on both), met or not, against llama.cpp on two threads as the issue
@@ -80,7 +83,7 @@ from benchmarks.bench_moe_cpu import k3_437m  # noqa: E402
 from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
 from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.config import parse_config  # noqa: E402
-from kestrel.engine.args import BUNDLED_MODEL, EngineArgs  # noqa: E402
+from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 from kestrel.layers.batch import ForwardBatch  # noqa: E402
 from kestrel.models.checkpoint import build_model, checkpoint_files, save_model  # noqa: E402
 from kestrel.models.init import init_weights  # noqa: E402
@@ -108,6 +111,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 F32 = 0
 """ggml's GGML_TYPE_F32, for llama.cpp's KV cache."""
 LLAMA_WORKER = "from benchmarks.bench_llamacpp import llama_worker; llama_worker()"
+KESTREL = {"kestrel eager": {},
+           "kestrel compiled": {"enable_torch_compile": True},
+           "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32"}}
+"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled; and
+compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads."""
 
 
 @dataclass(frozen=True)
@@ -310,10 +318,9 @@ class CompileFailures(logging.Handler):
 class KestrelTimer:
     """kestrel's engine on one model folder, stepped here: decode and prefill tok/s."""
 
-    def __init__(self, folder: Path, compiled: bool):
-        extra = {"enable_torch_compile": True} if compiled else {}
+    def __init__(self, folder: Path, args: dict):
         self.llm = LLM(str(folder), dtype="float32", max_running_requests=max(BATCHES), disable_radix_cache=True,
-                       **extra)
+                       **args)
         self.ids = itertools.count()
         self.generator = torch.Generator().manual_seed(1)
         self.walls: dict[Point, list[float]] = {}    # wall seconds of each run, the first (warm-up) included
@@ -377,7 +384,7 @@ class ModelResult:
     greedy_same: int
     rounds: int
     rates: dict[str, dict[Point, list[float]]]    # engine -> point -> tok/s per round
-    compile_seconds: float | None = None
+    compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)   # configuration -> extra s
     compile_failures: list[str] = dataclasses.field(default_factory=list)
     timeouts: list[str] = dataclasses.field(default_factory=list)     # "engine, point" of llama.cpp runs cut off
 
@@ -390,10 +397,7 @@ def bench_model(llama: LlamaCpp, title: str, folder: Path, work: Path, rounds: i
     """Convert, check the logits, and time both engines on the kestrel checkpoint in folder."""
     print(f"== {title}", flush=True)
     gguf = convert(llama, dense_copy(folder, work / f"{folder.name}-dense"), work / f"{folder.name}.gguf")
-    configs = {"kestrel eager": False}
-    if "enable_torch_compile" in {f.name for f in dataclasses.fields(EngineArgs)}:
-        configs["kestrel compiled"] = True
-    timers = {name: KestrelTimer(folder, compiled) for name, compiled in configs.items()}
+    timers = {name: KestrelTimer(folder, args) for name, args in KESTREL.items()}
 
     ids = torch.randint(VOCAB, (CHECK_PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     theirs, their_tokens = llama_logits(llama, gguf, ids, work / f"{folder.name}-logits.npz")
@@ -426,23 +430,25 @@ def bench_model(llama: LlamaCpp, title: str, folder: Path, work: Path, rounds: i
                 f"{e} {'timed out' if v is None else f'{v:,.1f}'}" for e, v in rates.items()), flush=True)
     logging.getLogger("kestrel").removeHandler(failures)
     result.compile_failures = failures.messages
-    if "kestrel compiled" in timers:
-        result.compile_seconds = timers["kestrel compiled"].first_run_extra()
+    result.compile_seconds = {name: timers[name].first_run_extra() for name in KESTREL
+                              if KESTREL[name].get("enable_torch_compile")}
     return result
 
 
-ENGINES = ["llama.cpp", "kestrel eager", "kestrel compiled", "llama.cpp 1 thread"]
+ENGINES = ["llama.cpp", *KESTREL, "llama.cpp 1 thread"]
 
 
 def table(result: ModelResult) -> str:
-    header = ["point", *(f"{e} tok/s" for e in ENGINES[:3]), "eager / llama.cpp", "compiled / llama.cpp",
-              f"{ENGINES[3]} tok/s"]
+    """One row per point: each engine's tok/s, and each kestrel configuration's ratio to llama.cpp."""
+    header = ["point", *(f"{e} tok/s" for e in ENGINES), *(f"{e.removeprefix('kestrel ')} / llama.cpp"
+                                                           for e in KESTREL)]
     rows = []
     for point in POINTS:
         values = [result.median(e, point) for e in ENGINES]
-        rows.append([point, *(f"{v:,.1f}" if v else "-" for v in values[:3]),
-                     *(f"{v / values[0]:.2f}x" if v and values[0] else "-" for v in values[1:3]),
-                     f"{values[3]:,.1f}" if values[3] else "-"])
+        theirs = values[0]
+        rows.append([point, *(f"{v:,.1f}" if v else "-" for v in values),
+                     *(f"{result.median(e, point) / theirs:.2f}x" if result.median(e, point) and theirs else "-"
+                       for e in KESTREL)])
     return markdown_table(header, rows)
 
 
@@ -456,8 +462,8 @@ def targets(big: ModelResult, small: ModelResult) -> list[str]:
                for m, label in ((big, "437M"), (small, "bundled-size")) for n in PREFILLS]
     lines = []
     for result, point, goal, text in wanted:
-        rate, config = max((result.median(e, point), e) for e in ENGINES[1:3] if result.median(e, point))
-        theirs, one_thread = result.median("llama.cpp", point), result.median(ENGINES[3], point)
+        rate, config = max((result.median(e, point), e) for e in KESTREL if result.median(e, point))
+        theirs, one_thread = result.median("llama.cpp", point), result.median(ENGINES[-1], point)
         if theirs is None:
             lines.append(f"- {text}: not measured (every llama.cpp run was cut off)")
             continue
@@ -492,9 +498,9 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
     sections = []
     for result in (big, small):
-        compiled = ("" if result.compile_seconds is None else
-                    f" kestrel compiled: its first (warm-up) runs took {result.compile_seconds:.0f} s more than the "
-                    "timed ones, mostly compiling (excluded from the rates).")
+        compiled = "".join(f" {name}: its first (warm-up) runs took {seconds:.0f} s more than the timed ones, "
+                           "mostly compiling (excluded from the rates)." for name, seconds in
+                           result.compile_seconds.items())
         if result.timeouts:
             compiled += (f" Cut off after {LLAMA_TIMEOUT} s (so missing from the medians): "
                          f"{'; '.join(result.timeouts)}.")
@@ -515,9 +521,11 @@ def main() -> None:
         "dequantized, same values). Both engines "
         f"{THREADS} threads, float32 (KV cache too), greedy. Decode: n sequences with {PROMPT}-token prompts, tok/s "
         f"over the {NEW} tokens after each sequence's first; prefill: one prompt, tok/s to its first token. "
-        "llama.cpp: llama-batched-bench; kestrel: its engine (LLMEngine.add_request/step), eager and, where "
-        "EngineArgs has it, with enable_torch_compile. Every configuration runs each point once untimed first; "
-        "then rounds in which the engines alternate point by point.",
+        "llama.cpp: llama-batched-bench; kestrel: its engine (LLMEngine.add_request/step), eager and compiled "
+        "(enable_torch_compile) with its packed MXFP4 experts, and compiled with a float32 copy of the experts "
+        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration). Every "
+        "configuration runs each point once untimed first; then rounds in which the engines alternate point by "
+        "point.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         f"shared with other work. The run took {minutes:.0f} min.",
         *sections,

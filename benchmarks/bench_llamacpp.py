@@ -46,7 +46,7 @@ What runs:
    decode within 2x; prefill >= llama.cpp on both), met or not, against llama.cpp on two threads as the issue
    measured, with the ratio to llama.cpp on one thread beside it.
 
-Cost: the first run downloads the 77 MB sdist and builds llama.cpp (10 to 15 minutes on 2 shared cores); a run
+Cost: the first run downloads the 77 MB sdist and builds llama.cpp (6 to 15 minutes on 2 shared cores); a run
 converts both models (about 2 minutes) and benchmarks them: about 35 minutes on 2 shared cores, two thirds of it
 the 437M model (its untimed first runs, torch.compile's compiling included). Not part of `make test`.
 

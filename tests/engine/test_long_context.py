@@ -82,7 +82,7 @@ class IndexerSelections:
     def replay(self, monkeypatch: pytest.MonkeyPatch, near: float) -> list[int]:
         """Make a plain forward over the same tokens choose what the engine chose. Where its own choice differs,
         every key chosen by one and not the other must score within `near` (relative) of the row's k-th best, a
-        near-tie float32 rounding can flip; the rows where the choices differ are appended to the returned list."""
+        near-tie float32 rounding can flip. Returns the list the forward fills with the rows whose choices differ."""
         topk_mask, calls, flipped = ops.topk_mask, itertools.count(), []
 
         def replayed(scores, mask, topk):

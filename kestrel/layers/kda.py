@@ -13,6 +13,7 @@ from ..ops.torch.kda_decode import KDALayerParams, decay_gate, gated_rms_norm, l
 from ..distributed.parallel import SINGLE, Parallel
 from .batch import ForwardBatch
 from .cache import HybridCache
+from .linear import Linear
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
 
@@ -32,19 +33,19 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = config.kda_gate_lower_bound
         width = config.kda_num_heads * self.head_dim
         hidden, kernel = config.hidden_size, config.conv_kernel_size
-        self.q_proj = nn.Linear(hidden, width, bias=False)
-        self.k_proj = nn.Linear(hidden, width, bias=False)
-        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.q_proj = Linear(hidden, width, bias=False)
+        self.k_proj = Linear(hidden, width, bias=False)
+        self.v_proj = Linear(hidden, width, bias=False)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
             setattr(self, name, nn.Conv1d(width, width, kernel, groups=width, bias=False, dtype=torch.float32))
-        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
-        self.b_proj = nn.Linear(hidden, config.kda_num_heads, bias=False)
+        self.f_a_proj = Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = Linear(self.head_dim, width, bias=False)
+        self.b_proj = Linear(hidden, config.kda_num_heads, bias=False)
         if config.kda_full_rank_output_gate:
-            self.g_proj = nn.Linear(hidden, width, bias=False)
+            self.g_proj = Linear(hidden, width, bias=False)
         else:
-            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
-            self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
+            self.g_a_proj = Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = Linear(self.head_dim, width, bias=False)
         self.A_log = nn.Parameter(torch.zeros(config.kda_num_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.o_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=torch.float32)   # gated by g_proj

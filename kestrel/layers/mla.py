@@ -20,6 +20,7 @@ from ..distributed.parallel import SINGLE, Parallel
 from . import dcp
 from .batch import ForwardBatch
 from .cache import HybridCache
+from .linear import Linear
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
 
@@ -43,10 +44,10 @@ class LightningIndexer(nn.Module):
         self.par = par
         heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.num_heads, self.weight_scale = heads // par.tp_size, heads ** -0.5
-        self.wq_b = nn.Linear(config.q_lora_rank, heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.rms_norm_eps, bias=config.index_k_norm_bias)
-        self.weights_proj = nn.Linear(config.hidden_size, heads, bias=False)
+        self.weights_proj = Linear(config.hidden_size, heads, bias=False)
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> index keys [T, D] (what the indexer-key cache stores)."""
@@ -91,16 +92,16 @@ class GatedMLA(nn.Module):
         self.form = AUTO
         hidden, heads = config.hidden_size, config.num_attention_heads
         if config.q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * config.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, heads * config.qk_head_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(hidden, heads * config.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_cache_dim, bias=False)
+            self.q_proj = Linear(hidden, heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, config.kv_cache_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.mla_norm_eps)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.kv_b_proj = Linear(config.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         if config.mla_output_gate:
-            self.g_proj = nn.Linear(hidden, heads * self.v_dim, bias=False)
+            self.g_proj = Linear(hidden, heads * self.v_dim, bias=False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, par)
         self.indexer = LightningIndexer(config, par) if with_indexer else None
 

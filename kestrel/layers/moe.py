@@ -21,6 +21,7 @@ from ..distributed.parallel import SINGLE, Parallel
 from ..ops import backend
 from ..ops.torch.moe import ExpertWeights
 from .activation import glu_activation
+from .linear import Linear
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
 
@@ -36,10 +37,10 @@ class GatedMLP(nn.Module):
                  reduce: bool = True):
         super().__init__()
         self.activation = glu_activation(config)
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = (RowParallelLinear(intermediate, hidden, par) if reduce
-                          else nn.Linear(intermediate, hidden, bias=False))
+                          else Linear(intermediate, hidden, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
@@ -154,8 +155,8 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.latent = config.routed_expert_hidden_size is not None
         if self.latent:
-            self.routed_expert_down_proj = nn.Linear(config.hidden_size, config.expert_dim, bias=False)
-            self.routed_expert_up_proj = nn.Linear(config.expert_dim, config.hidden_size, bias=False)
+            self.routed_expert_down_proj = Linear(config.hidden_size, config.expert_dim, bias=False)
+            self.routed_expert_up_proj = Linear(config.expert_dim, config.hidden_size, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(config.expert_dim, config.rms_norm_eps)
         self.experts = RoutedExperts(config, config.expert_dim, par)

@@ -1,6 +1,6 @@
 """Tensor-parallel building blocks that communicate: a row-parallel linear and a vocabulary-parallel embedding.
 
-Column-parallel projections are plain nn.Linear modules whose weights the sharding rules
+Column-parallel projections are plain Linear modules (kestrel.layers.linear) whose weights the sharding rules
 (kestrel.distributed.sharding) cut to this rank's output rows; they need no communication. Modules here are built
 at full size, like every layer, and get their per-rank shapes from the same rules before their weights load.
 """
@@ -13,9 +13,10 @@ from torch import nn
 
 from ..distributed.layout import partition
 from ..distributed.parallel import SINGLE, Parallel
+from .linear import Linear, linear
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = sum over ranks of x_r W_r^T: x [T, in/tp] (this rank's heads or columns) -> [T, out], all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, par: Parallel = SINGLE):
@@ -23,7 +24,7 @@ class RowParallelLinear(nn.Linear):
         self.par = par
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.par.all_reduce(F.linear(x, self.weight).contiguous())
+        return self.par.all_reduce(linear(x, self.weight).contiguous())
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from .kimi import KimiForCausalLM
 
@@ -60,11 +61,11 @@ class DraftLayer(nn.Module):
         super().__init__()
         d, self.heads = config.hidden_size, config.num_heads
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.qkv_proj = Linear(d, 3 * d, bias=False)
+        self.o_proj = Linear(d, d, bias=False)
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(d, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+        self.gate_up_proj = Linear(d, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, S, D] -> [N, S, D]."""
@@ -84,7 +85,7 @@ class BlockDraftModel(nn.Module):
         self.config = config
         d = config.hidden_size
         self.cond_norm = RMSNorm(d, config.rms_norm_eps)
-        self.cond_proj = nn.Linear(d, d, bias=False)
+        self.cond_proj = Linear(d, d, bias=False)
         self.mask_embed = nn.Parameter(torch.zeros(d))
         self.slot_embed = nn.Parameter(torch.zeros(config.block_size + 2, d))
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))

@@ -39,6 +39,7 @@ from ..distributed.parallel import SINGLE, Parallel
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..layers.kda import KimiDeltaAttention
+from ..layers.linear import Linear
 from ..layers.mla import GatedMLA
 from ..layers.moe import MoE, GatedMLP
 from ..layers.norm import RMSNorm
@@ -70,9 +71,9 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config, d, config.intermediate_size, par)
         if attn_res:
             self.self_attention_res_norm = RMSNorm(d, eps)
-            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_proj = Linear(d, 1, bias=False)
             self.mlp_res_norm = RMSNorm(d, eps)
-            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_proj = Linear(d, 1, bias=False)
 
     @property
     def ffn(self) -> nn.Module:
@@ -110,10 +111,10 @@ class MTPLayer(DecoderLayer):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(d, eps)
-        self.shared_head.head = nn.Linear(d, config.vocab_size, bias=False)
+        self.shared_head.head = Linear(d, config.vocab_size, bias=False)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch,
                 cache: HybridCache | None) -> torch.Tensor:
@@ -166,7 +167,7 @@ class KimiTextModel(nn.Module):
             self.norm = RMSNorm(d, config.rms_norm_eps)
             if attn_res:
                 self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
-                self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+                self.output_attn_res_proj = Linear(d, 1, bias=False)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -233,7 +234,7 @@ class KimiForCausalLM(nn.Module):
         self.par = par
         self.model = KimiTextModel(config, par)
         if self.model.last_stage:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
             if config.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 

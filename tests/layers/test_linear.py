@@ -1,0 +1,63 @@
+"""kestrel.layers.linear: the oneDNN GEMM path equals F.linear (float32 rounding), traced and untraced; every other
+case is F.linear itself, gradients included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kestrel.layers.linear import ONEDNN_MIN_WEIGHT, Linear, linear, onednn_linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def weights(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * in_features ** -0.5
+
+
+@pytest.mark.parametrize("rows", [(1,), (7,), (64,), (3, 5)])
+def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch):
+    weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(2))
+    calls = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or F.linear(*args[:3]))
+    with torch.inference_mode():
+        linear(x, weight, bias)
+    assert calls                                                  # the oneDNN op ran
+    monkeypatch.undo()
+    with torch.inference_mode():
+        actual = linear(x, weight, bias)
+    torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_the_custom_op_traces_into_a_compiled_graph():
+    weight, x = weights(1024, 1024), torch.randn(4, 1024, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        eager = linear(x, weight)
+        traced = torch.compile(lambda x: linear(x, weight), backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(traced, eager)
+    torch.library.opcheck(onednn_linear, (x, weight), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("case", ["grad enabled", "small weight", "bfloat16"])
+def test_every_other_case_is_f_linear_bit_for_bit(case):
+    big = case != "small weight"
+    weight = weights(1024 if big else 256, 1024)
+    assert (weight.numel() >= ONEDNN_MIN_WEIGHT) == big
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(4))
+    if case == "bfloat16":
+        weight, x = weight.bfloat16(), x.bfloat16()
+    with torch.inference_mode(case != "grad enabled"):
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+
+
+def test_the_module_trains_like_nn_linear():
+    """Same parameters and names as nn.Linear, and the same gradients (training takes F.linear)."""
+    ours, theirs = Linear(1024, 1024), torch.nn.Linear(1024, 1024)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(5))
+    ours(x).square().sum().backward()
+    theirs(x).square().sum().backward()
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert torch.equal(ours.weight.grad, theirs.weight.grad) and torch.equal(ours.bias.grad, theirs.bias.grad)

@@ -21,13 +21,13 @@ ONEDNN = torch.backends.mkldnn.is_available()
 
 
 @torch.library.custom_op("kestrel::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [R, in] @ weight [out, in]^T -> [R, out], float32 on the CPU, by oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [R, in] @ weight [out, in]^T + bias [out] -> [R, out], float32 on the CPU, by oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @onednn_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -35,8 +35,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear: x [..., in], weight [out, in] -> [..., out]; oneDNN where it is the faster GEMM (module docstring)."""
     if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()
             and weight.numel() >= ONEDNN_MIN_WEIGHT and ONEDNN):
-        y = onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return onednn_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

@@ -16,7 +16,7 @@ def weights(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * in_features ** -0.5
 
 
-@pytest.mark.parametrize("rows", [(1,), (7,), (64,), (3, 5)])
+@pytest.mark.parametrize("rows", [(0,), (1,), (7,), (64,), (3, 5)])
 def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch):
     weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(1))
     x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(2))
@@ -37,7 +37,7 @@ def test_the_custom_op_traces_into_a_compiled_graph():
         eager = linear(x, weight)
         traced = torch.compile(lambda x: linear(x, weight), backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(traced, eager)
-    torch.library.opcheck(onednn_linear, (x, weight), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(onednn_linear, (x, weight, None), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("case", ["grad enabled", "small weight", "bfloat16"])

@@ -72,8 +72,9 @@ async def write_handoff(writer: asyncio.StreamWriter, handoff: Handoff) -> int:
 
 async def read_handoff(reader: asyncio.StreamReader, header: dict) -> Handoff:
     """The handoff whose header frame was just read: its tensors, each checked against its CRC-32 (IntegrityError
-    naming the first that differs)."""
-    tensors = {}
+    naming the first that differs). Every byte is read before that verdict, so the connection holds nothing unread
+    when the decode side answers and closes it (a close over unread bytes resets it, and the answer is lost)."""
+    tensors, corrupted = {}, []
     for spec in header["tensors"]:
         try:
             dtype = getattr(torch, spec["dtype"])
@@ -83,10 +84,12 @@ async def read_handoff(reader: asyncio.StreamReader, header: dict) -> Handoff:
         except (AttributeError, TypeError, KeyError):
             raise TransferError("the prefill instance sent a malformed tensor header.") from None
         if zlib.crc32(buffer) != spec["crc32"]:
-            raise IntegrityError(f"tensor {spec['name']} arrived corrupted (its CRC-32 does not match what the "
-                                 "prefill instance sent); the request was not continued.")
+            corrupted.append(spec["name"])
         tensors[spec["name"]] = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(spec["shape"]) \
             if buffer else torch.empty(spec["shape"], dtype=dtype)
+    if corrupted:
+        raise IntegrityError(f"tensor {corrupted[0]} arrived corrupted (its CRC-32 does not match what the prefill "
+                             "instance sent); the request was not continued.")
     try:
         logprobs = _entry_in(header.get("first_logprobs"))
         prompt = header.get("prompt_logprobs")

@@ -16,7 +16,7 @@ import torch
 from kestrel.config import parse_config
 from kestrel.disagg.outbox import Outbox
 from kestrel.disagg.tcp import TcpBackend
-from kestrel.disagg.wire import IntegrityError, TransferError, write_frame
+from kestrel.disagg.wire import IntegrityError, TransferError, read_frame, read_handoff, write_frame, write_handoff
 from kestrel.engine.args import EngineArgs
 from kestrel.engine.outputs import Logprob
 from kestrel.engine.async_engine import AsyncEngine
@@ -87,14 +87,16 @@ async def corrupting_proxy(target_port: int, flip_at: int) -> tuple[asyncio.Serv
 
         async def pipe(src, dst, flip):
             seen = 0
-            while data := await src.read(65536):
-                if flip and seen <= flip_at < seen + len(data):
-                    data = bytearray(data)
-                    data[flip_at - seen] ^= 0x01
-                seen += len(data)
-                dst.write(bytes(data))
-                await dst.drain()
-            dst.close()
+            try:
+                while data := await src.read(65536):
+                    if flip and seen <= flip_at < seen + len(data):
+                        data = bytearray(data)
+                        data[flip_at - seen] ^= 0x01
+                    seen += len(data)
+                    dst.write(bytes(data))
+                    await dst.drain()
+            finally:
+                dst.close()                          # an end or a reset on one side ends the other side too
         await asyncio.gather(pipe(client_reader, writer, False), pipe(reader, client_writer, True),
                              return_exceptions=True)
     port = free_port()
@@ -114,6 +116,37 @@ def test_a_flipped_byte_fails_that_transfer_on_both_sides():
                 await outcome
             assert len(outbox) == 0
             proxy.close()
+    asyncio.run(main())
+
+
+class _Bytes:
+    """A stream writer that keeps what is written."""
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, data) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_a_corrupted_transfer_is_read_to_its_end_before_the_verdict():
+    """The decode side reads every byte of a corrupted handoff before it answers, so its close cannot reset the
+    connection over unread bytes and lose the answer (the prefill side then waited out its timeout)."""
+    async def main():
+        sent = _Bytes()
+        await write_handoff(sent, sample_handoff())
+        await write_frame(sent, {"next": True})
+        first_tensor = 4 + int.from_bytes(sent.data[:4], "big")   # after the header frame
+        sent.data[first_tensor + 10] ^= 0x01                 # inside the conv state, the first of five tensors
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(sent.data))
+        reader.feed_eof()
+        header = await read_frame(reader)
+        with pytest.raises(IntegrityError, match="tensor 0.kda.0.conv arrived corrupted"):
+            await read_handoff(reader, header)
+        assert await read_frame(reader) == {"next": True}    # what follows the handoff is next, nothing in between
     asyncio.run(main())
 
 

@@ -27,6 +27,7 @@ class ForwardBatch:
     max_new: int                        # longest run of new tokens
     max_total: int                      # longest sequence after this call
     keep_token_states: bool = False     # speculative verification: KDA keeps every token's state, pools untouched
+    uniform: bool = False               # every sequence brings max_new >= 1 tokens (known without reading lengths)
     dp_tokens: tuple[int, ...] | None = None  # DP attention: every DP group's new tokens; this batch is this rank's
                                               # group's, the model's stream holds all of them, group by group
 
@@ -79,32 +80,38 @@ class ForwardBatch:
             max_new=max(new_lens, default=0),
             max_total=max_total,
             keep_token_states=keep_token_states,
+            uniform=n > 0 and min(new_lens) == max(new_lens) > 0,
         )
 
     @classmethod
     def for_decode(cls, prefix_lens: torch.Tensor, state_slots: torch.Tensor, page_table: torch.Tensor,
-                   page_size: int) -> ForwardBatch:
-        """One new token per sequence, from device tensors with no host synchronisation (so a CUDA graph can
-        capture it): prefix_lens [N], state_slots [N], page_table [N, W] int64.
+                   page_size: int, tokens_per_seq: int = 1) -> ForwardBatch:
+        """tokens_per_seq new tokens per sequence (1: a decode step; more: a speculative verification, which keeps
+        every token's KDA state), from device tensors with no host synchronisation (so a CUDA graph can capture
+        it): prefix_lens [N], state_slots [N], page_table [N, W] int64.
 
         max_total is the table's capacity, W * page_size, an upper bound on every sequence's length; ops sized by
         it (the paged indexer's scores) mask the positions past each sequence's end. kv_read_index is left out:
         decode reads the pages directly.
         """
         n, device = prefix_lens.numel(), prefix_lens.device
-        seq_index = torch.arange(n, device=device)
+        seq_index = torch.arange(n * tokens_per_seq, device=device) // tokens_per_seq
+        offsets = torch.arange(n * tokens_per_seq, device=device) % tokens_per_seq
+        positions = prefix_lens[seq_index] + offsets
         return cls(
-            cu_seqlens=torch.arange(n + 1, device=device),
+            cu_seqlens=torch.arange(n + 1, device=device) * tokens_per_seq,
             prefix_lens=prefix_lens,
-            positions=prefix_lens,
+            positions=positions,
             seq_index=seq_index,
-            offsets=torch.zeros(n, dtype=torch.long, device=device),
+            offsets=offsets,
             state_slots=state_slots,
             page_table=page_table,
-            kv_write_index=_kv_rows(page_table, seq_index, prefix_lens, page_size),
+            kv_write_index=_kv_rows(page_table, seq_index, positions, page_size),
             kv_read_index=None,
-            max_new=1,
+            max_new=tokens_per_seq,
             max_total=page_table.shape[1] * page_size,
+            keep_token_states=tokens_per_seq > 1,
+            uniform=True,
         )
 
     @property

@@ -65,10 +65,9 @@ class KimiDeltaAttention(nn.Module):
         gate_raw = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, self.num_heads, self.head_dim)
         out_gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).view_as(gate_raw)
         if state is not None and (batch.max_new <= 1 or batch.keep_token_states):
-            one_each = batch.max_new == 1 and batch.num_tokens == batch.num_seqs     # known without reading lengths
             o, state.token_states = backend.get_op("kda_decode", x.device)(
                 qkv, gate_raw, self.b_proj(x), out_gate, self.step_params(), state.conv, state.recurrent,
-                batch.state_slots, None if one_each else batch.cu_seqlens, batch.prefix_lens > 0,
+                batch.state_slots, None if batch.uniform else batch.cu_seqlens, batch.prefix_lens > 0,
                 keep_token_states=batch.keep_token_states)
         else:
             o = self._prefill(qkv, gate_raw, self.b_proj(x), batch, state)

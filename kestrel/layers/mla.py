@@ -75,7 +75,8 @@ class GatedMLA(nn.Module):
     """One MLA layer (`self_attn.*` in checkpoints): NoPE, optional sigmoid output gate, optional indexer.
 
     mla_index: the layer's position among the model's MLA layers (its pages in a HybridCache).
-    form: PLAIN, ABSORBED, or AUTO (absorbed when every sequence brings one new token, plain otherwise).
+    form: PLAIN, ABSORBED, or AUTO (absorbed for decode steps and speculative verifications, which bring one or a
+    few new tokens per sequence; plain otherwise).
     Under tensor parallelism each rank runs num_heads = H / tp heads: the latent projections (q_a, kv_a) and the
     cached latents are replicated, the head projections (q_b, kv_b, g) split, o_proj row-parallel. With decode
     context parallelism the cached latents are split by position instead (kestrel.layers.dcp).
@@ -205,7 +206,7 @@ class GatedMLA(nn.Module):
         return batch.from_padded(attend(q, context, mask))
 
     def _absorbed_form(self, batch: ForwardBatch) -> bool:
-        return self.form == ABSORBED or (self.form == AUTO and batch.max_new == 1)
+        return self.form == ABSORBED or (self.form == AUTO and (batch.max_new == 1 or batch.keep_token_states))
 
     def _context(self, latent: torch.Tensor, index_keys: torch.Tensor | None, batch: ForwardBatch,
                  cache: HybridCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:

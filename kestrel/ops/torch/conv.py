@@ -53,3 +53,14 @@ def _source_rows(seq: torch.Tensor, ext: torch.Tensor, cu_seqlens: torch.Tensor,
     from_state = seq * (width - 1) + ext
     from_tokens = n * (width - 1) + cu_seqlens[seq] + ext - (width - 1)
     return torch.where(ext < width - 1, from_state, from_tokens)
+
+
+def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d for L new tokens per sequence, with no host synchronisation: x [N, L, C]; weight [C, W];
+    state [N, W-1, C]. Returns y [N, L, C] and the state after every token (its last W-1 inputs) [N, L, W-1, C],
+    both in x's dtype."""
+    width = weight.shape[1]
+    window = torch.cat([state.to(x.dtype), x], 1)                                      # [N, W-1+L, C]
+    y = torch.einsum("nlcw,cw->nlc", window.unfold(1, width, 1).to(weight.dtype), weight).to(x.dtype)
+    return y, window[:, 1:].unfold(1, width - 1, 1).transpose(-1, -2)

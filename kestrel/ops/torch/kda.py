@@ -136,6 +136,19 @@ def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return torch.einsum("nhk,nhkv->nhv", q.to(dtype) * scale, state).to(v.dtype), state
 
 
+def recurrent_kda_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """L tokens for each of N sequences, with no host synchronisation: q, k, g [N, L, H, K]; v [N, L, H, V];
+    beta [N, L, H]; state [N, H, K, V]. Returns o [N, L, H, V] in v's dtype and the state after every token
+    [N, L, H, K, V], computed as recurrent_kda_step token by token."""
+    outputs, states = [], []
+    for t in range(q.shape[1]):
+        o, state = recurrent_kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, scale)
+        outputs.append(o)
+        states.append(state)
+    return torch.stack(outputs, 1), torch.stack(states, 1)
+
+
 def _stack_steps(steps: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """Per-step [N, ...] tensors -> [N * steps, ...], sequence-major; `like` [N, L, ...] gives the shape when empty."""
     if not steps:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .conv import causal_conv1d, causal_conv1d_step
-from .kda import recurrent_kda, recurrent_kda_step
+from .conv import causal_conv1d, causal_conv1d_step, causal_conv1d_uniform
+from .kda import recurrent_kda, recurrent_kda_step, recurrent_kda_uniform
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     qkv: [T, 3*H*D], the q, k, v projections before the conv (activation dtype); gate_raw: [T, H, D], the decay
     gate projection; beta_raw: [T, H], the beta logits; out_gate: [T, H, D], the output-norm gate;
     conv_pool: [slots, W-1, 3*H*D]; state_pool: [slots, H, D, D]; slots: [N] int64, distinct;
-    cu_seqlens: [N+1] int64, or None when every sequence brings exactly one token (a decode step: then nothing is
-    read back to the host, so the step traces into one graph); use_state: [N] bool, False where a sequence starts
-    fresh (its slot, whatever it holds, is read as zeros).
+    cu_seqlens: [N+1] int64, or None when every sequence brings T / N tokens (a decode step, or a verification of
+    equal drafts: then nothing is read back to the host, so the step traces into one graph); use_state: [N] bool,
+    False where a sequence starts fresh (its slot, whatever it holds, is read as zeros).
     Returns o [T, H, D] in qkv's dtype (after the gated RMSNorm) and, with keep_token_states, the states after
     every token (the pools untouched); else None, with the final states written to the pools at `slots`.
     """
@@ -85,24 +85,35 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     keep = use_state.view(-1, 1, 1)
     conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
     state = torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
-    one_each = cu_seqlens is None
-    if one_each:
+    num_seqs = slots.numel()
+    each = num_tokens // max(num_seqs, 1) if cu_seqlens is None else 0        # tokens per sequence, when uniform
+    token_conv = None
+    if each == 1:
         y, conv_final = causal_conv1d_step(qkv, params.conv_weight, conv_state)
+        token_conv = conv_final
+    elif each:
+        y, token_conv = causal_conv1d_uniform(qkv.view(num_seqs, each, -1), params.conv_weight, conv_state)
+        y, conv_final, token_conv = y.flatten(0, 1), token_conv[:, -1], token_conv.flatten(0, 1)
     else:
         y, conv_final = causal_conv1d(qkv, params.conv_weight, cu_seqlens, conv_state)
     q, k, v = F.silu(y).view(num_tokens, 3, num_heads, head_dim).unbind(1)
     q, k = l2_normalize(q), l2_normalize(k)
     g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)
     beta = torch.sigmoid(beta_raw.float())
-    if one_each:
+    if each == 1:
         o, final = recurrent_kda_step(q, k, v, g, beta, state, scale)
         token_recurrent = final
+    elif each:
+        o, token_recurrent = recurrent_kda_uniform(*(x.unflatten(0, (num_seqs, each)) for x in (q, k, v, g, beta)),
+                                                   state, scale)
+        o, final, token_recurrent = o.flatten(0, 1), token_recurrent[:, -1], token_recurrent.flatten(0, 1)
     else:
         o, final, token_recurrent = recurrent_kda(q, k, v, g, beta, cu_seqlens, initial_state=state, scale=scale,
                                                   output_token_states=keep_token_states)
     o = gated_rms_norm(o, out_gate, params.norm_weight, params.norm_eps)
     if keep_token_states:
-        token_conv = conv_final if one_each else token_conv_states(qkv, conv_state, cu_seqlens)
+        if token_conv is None:
+            token_conv = token_conv_states(qkv, conv_state, cu_seqlens)
         return o, TokenStates(conv=token_conv.to(conv_pool.dtype), recurrent=token_recurrent)
     conv_pool[slots] = conv_final.detach().to(conv_pool.dtype)
     state_pool[slots] = final.detach().to(state_pool.dtype)

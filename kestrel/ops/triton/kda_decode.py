@@ -137,8 +137,8 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
 
     The pools must be contiguous. No host synchronisation, so the call can be captured in a CUDA graph.
     """
-    if cu_seqlens is None:                   # one token per sequence
-        cu_seqlens = torch.arange(slots.numel() + 1, device=qkv.device)
+    if cu_seqlens is None:                   # T / N tokens per sequence
+        cu_seqlens = torch.arange(slots.numel() + 1, device=qkv.device) * (qkv.shape[0] // max(slots.numel(), 1))
     num_tokens = qkv.shape[0]
     num_heads, head_dim = gate_raw.shape[1:]
     width = params.conv_weight.shape[1]

@@ -92,7 +92,7 @@ def graph_row(graph_llm: LLM, eager_llm: LLM, prompts: list[list[int]], new_toke
                    for j, t in enumerate(g.outputs[0].token_ids)]
     graphs = graph_llm.engine.runner.decode_graphs
     return dict(batch=size, new_tokens=new_tokens, equal_requests=sum(equal), replays=replays[size] - before,
-                widths=sorted(width for b, width in graphs.steps if b == size),
+                widths=sorted(width for b, width, _ in graphs.steps if b == size),
                 first_mismatch=first_mismatch(token_ids(graphed), token_ids(eager)),
                 max_logprob_diff=float(f"{max(differences, default=0.0):.2e}"),
                 passed=all(equal) and replays[size] > before)

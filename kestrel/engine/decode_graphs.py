@@ -18,6 +18,12 @@ ops are (tests/engine/test_decode_graphs.py checks the whole step under the inte
 are not, so graphs are used only on CUDA with every decode op on its Triton kernel. Elsewhere the same static step
 can run eagerly in place of a replay, which is how the tests check padding, buckets and capture on the CPU.
 
+The same static step serves speculative verifications whose sequences all verify k drafts: k + 1 tokens per
+sequence, every token's logits, hidden state (a model drafter reads them) and KDA state (the engine commits the
+accepted token's). Those outputs are fresh tensors per call, so verifications run compiled or eagerly, never from
+a CUDA graph (its outputs would need static buffers of every token's recurrent state); under CUDA graphs they run
+as ordinary steps.
+
 On the CPU the static step can instead be compiled (`--enable-torch-compile`): torch.compile traces each
 (batch size, width) step into one graph, and inductor's C++ backend fuses its elementwise work into loops, so a
 step is one call instead of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch._dynamo
@@ -39,12 +46,21 @@ from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
 from ..ops import backend
+from ..ops.torch.kda_decode import TokenStates
 from .cache.page_table import PageTable
 
 log = logging.getLogger("kestrel")
 
 DECODE_OPS = ("kda_decode", "paged_mla_decode", "paged_indexer_scores", "moe_experts", "attn_res_mix_norm")
 """The dispatched ops a decode step runs."""
+
+
+class StepOutputs(NamedTuple):
+    """A static step's results for its n real sequences of q tokens each (T = n * q rows, sequence-major)."""
+
+    logits: torch.Tensor                      # [T, vocab] fp32
+    hidden: torch.Tensor                      # [T, D]: the final hidden states (what a model drafter reads)
+    token_states: tuple[TokenStates, ...]     # verifications (q > 1): each KDA layer's states after every token
 
 
 def graphs_supported(device: torch.device) -> bool:
@@ -58,7 +74,8 @@ def batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Decode steps of up to max_batch_size sequences, their pages in page_table, as graph replays.
+    """Decode steps of up to max_batch_size sequences, their pages in page_table, as graph replays; without
+    capture, also verifications of up to max_tokens_per_seq tokens per sequence.
 
     scratch_slot: a state slot of `cache` that nothing else uses, its page-table row all a page nothing else uses.
     capture: record CUDA graphs (default: on CUDA devices); otherwise each replay runs the static step eagerly, or
@@ -67,12 +84,14 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, max_batch_size: int,
-                 scratch_slot: int, capture: bool | None = None, compile: str | None = None):
+                 scratch_slot: int, capture: bool | None = None, compile: str | None = None,
+                 max_tokens_per_seq: int = 1):
         self.model, self.cache, self.page_table = model, cache, page_table
         self.device = model.device
         self.sizes = batch_sizes(max_batch_size)
         self.scratch_slot = scratch_slot
         self.capture = self.device.type == "cuda" if capture is None else capture
+        self.max_tokens_per_seq = 1 if self.capture else max_tokens_per_seq
         self.forward = self._forward
         if compile:
             # One graph per (batch size, width); the model's weights are never replaced while it serves, so their
@@ -81,50 +100,66 @@ class DecodeGraphs:
             # model allocating and checking buffers, for twice the compile time.
             widths = page_table.max_pages.bit_length() + 1
             limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) * widths)
+            torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) * widths * self.max_tokens_per_seq)
             options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             if compile == "inductor":
                 options["cpp_wrapper"] = True
             self.forward = torch.compile(self._forward, backend=compile, dynamic=False, fullgraph=True,
                                          options=options)
-        self.inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
-        self.logits = torch.empty(max_batch_size, model.config.vocab_size, device=self.device)
-        self.steps: dict[tuple[int, int], Callable[[], object]] = {}
-        """The replay of each captured (batch size, width): reads self.inputs, writes self.logits."""
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.token_ids = torch.zeros(max_batch_size * self.max_tokens_per_seq, dtype=torch.long, device=self.device)
+        self.inputs = torch.zeros(2, max_batch_size, dtype=torch.long, device=self.device)  # prefix lengths, slots
+        self.steps: dict[tuple[int, int, int], Callable[[], StepOutputs]] = {}
+        """The replay of each captured (batch size, width, tokens per sequence): reads self.token_ids and
+        self.inputs."""
+        self.pool = None
+        if self.capture:           # a graph's outputs live in static buffers outside its memory pool
+            self.logits = torch.empty(max_batch_size, model.config.vocab_size, device=self.device)
+            self.hidden = torch.empty(max_batch_size, model.config.hidden_size, dtype=model.dtype,
+                                      device=self.device)
+            self.pool = torch.cuda.graph_pool_handle()
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def fits(self, num_seqs: int, longest: int) -> bool:
-        """Whether a step of num_seqs sequences, the longest spanning `longest` pages, has a graph size."""
-        return 1 <= num_seqs <= self.max_batch_size and longest <= self.page_table.max_pages
+    def fits(self, num_seqs: int, longest: int, tokens_per_seq: int = 1) -> bool:
+        """Whether a step of num_seqs sequences of tokens_per_seq tokens, the longest spanning `longest` pages, has
+        a graph size."""
+        return (1 <= num_seqs <= self.max_batch_size and longest <= self.page_table.max_pages
+                and 1 <= tokens_per_seq <= self.max_tokens_per_seq)
 
-    def run(self, token_ids: list[int], prefix_lens: list[int], slots: list[int], longest: int) -> torch.Tensor:
-        """Logits [n, vocab] fp32 of one decode step: sequence i adds token_ids[i] at position prefix_lens[i], with
-        its state in slots[i] and its pages in that slot's page-table row; the longest spans `longest` pages. The
-        result is overwritten by the next run."""
-        n = len(token_ids)
+    def run(self, token_ids: list[int], prefix_lens: list[int], slots: list[int], longest: int,
+            tokens_per_seq: int = 1) -> StepOutputs:
+        """One step of n sequences: sequence i adds token_ids[i*q:(i+1)*q] (q = tokens_per_seq; more than 1: a
+        verification, which leaves the KDA pools as they were) from position prefix_lens[i], with its state in
+        slots[i] and its pages in that slot's page-table row; the longest spans `longest` pages. CUDA graphs'
+        results are overwritten by the next run."""
+        n, q = len(slots), tokens_per_seq
         size = next(b for b in self.sizes if b >= n)
         width = min(1 << (longest - 1).bit_length(), self.page_table.max_pages)
-        replay = self.steps.get((size, width)) or self._capture(size, width)
+        replay = self.steps.get((size, width, q)) or self._capture(size, width, q)
         pad = size - n
-        values = [*token_ids, *[0] * pad, *prefix_lens, *[0] * pad, *slots, *[self.scratch_slot] * pad]
-        self.inputs[:, :size].copy_(torch.tensor(values).view(3, size), non_blocking=True)
-        replay()
-        return self.logits[:n]
+        self.token_ids[:size * q].copy_(torch.tensor([*token_ids, *[0] * (pad * q)]), non_blocking=True)
+        values = [*prefix_lens, *[0] * pad, *slots, *[self.scratch_slot] * pad]
+        self.inputs[:, :size].copy_(torch.tensor(values).view(2, size), non_blocking=True)
+        out = replay()
+        return StepOutputs(out.logits[:n * q], out.hidden[:n * q], out.token_states)
 
-    def _capture(self, size: int, width: int) -> Callable[[], object]:
-        ids, prefix, slots = self.inputs[:, :size]
+    def _capture(self, size: int, width: int, q: int) -> Callable[[], StepOutputs]:
+        ids, (prefix, slots) = self.token_ids[:size * q], self.inputs[:, :size]
         ids.zero_()
         prefix.zero_()
         slots.fill_(self.scratch_slot)
 
-        def step() -> None:
-            self.logits[:size].copy_(self.forward(ids, prefix, slots, width))
+        def step() -> StepOutputs:
+            logits, hidden, states = self.forward(ids, prefix, slots, width, q)
+            if self.capture:
+                self.logits[:size].copy_(logits)
+                self.hidden[:size].copy_(hidden)
+                logits, hidden = self.logits[:size], self.hidden[:size]
+            return StepOutputs(logits, hidden, tuple(TokenStates(*s) for s in states))
 
-        self._forward(ids, prefix, slots, width)             # warm-up: compiles kernels, initialises libraries
+        self._forward(ids, prefix, slots, width, q)          # warm-up: compiles kernels, initialises libraries
         if self.forward is not self._forward:
             try:
                 step()
@@ -136,13 +171,21 @@ class DecodeGraphs:
         else:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                step()
-            replay = graph.replay
-        self.steps[(size, width)] = replay
+                outputs = step()
+
+            def replay() -> StepOutputs:
+                graph.replay()
+                return outputs
+        self.steps[(size, width, q)] = replay
         return replay
 
-    def _forward(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
-        """Logits [size, vocab] of the decode step of ids, prefix lengths and slots [size]."""
+    def _forward(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int, q: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+        """The step of ids [size * q] from prefix lengths and slots [size]: logits [size * q, vocab], hidden
+        states [size * q, D] and, for a verification, each KDA layer's (conv, recurrent) states after every
+        token."""
         table = self.page_table.gather(slots, width)
-        batch = ForwardBatch.for_decode(prefix, slots, table, self.cache.page_size)
-        return self.model.compute_logits(self.model(ids, batch, self.cache))
+        batch = ForwardBatch.for_decode(prefix, slots, table, self.cache.page_size, q)
+        hidden = self.model(ids, batch, self.cache)
+        states = tuple((s.token_states.conv, s.token_states.recurrent) for s in self.cache.kda) if q > 1 else ()
+        return self.model.compute_logits(hidden), hidden, states

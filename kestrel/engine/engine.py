@@ -60,11 +60,11 @@ class LLMEngine:
         if args.enable_torch_compile and not compiled:
             log.info("decode: --enable-torch-compile compiles CPU decode steps; on %s, CUDA graphs replay them",
                      device.type)
-        graphs = graphs or compiled
         if graphs and args.speculative_algorithm in ("NEXTN", "DFLASH"):
             graphs = False
-            log.info("decode: CUDA graphs and compiled steps are not used with model drafters yet (they read every "
-                     "step's hidden states)")
+            log.info("decode: CUDA graphs are not used with model drafters yet (they read every step's hidden "
+                     "states, which a graph would copy out; not yet run on a GPU)")
+        graphs = graphs or compiled
         if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
             self.shutdown()
             raise ValueError(f"the {args.speculative_algorithm} drafter runs in one process for now; drop --tp-size "
@@ -100,7 +100,9 @@ class LLMEngine:
             max_bs = min(args.torch_compile_max_bs if compiled else args.cuda_graph_max_bs,
                          self.plan.max_running_requests)
             decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_bs, scratch_slot=slots,
-                                         compile="inductor" if compiled else None)
+                                         compile="inductor" if compiled else None,
+                                         max_tokens_per_seq=1 + (args.speculative_num_draft_tokens
+                                                                 if args.speculative_algorithm != "none" else 0))
             log.info("decode: %s for batches of up to %d sequences, made on first use",
                      "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:])

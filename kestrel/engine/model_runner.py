@@ -80,7 +80,8 @@ class ModelRunner:
     """Builds the ForwardBatch (token ids, prefix lengths, state slots, their page-table rows) and runs the model.
 
     Each step first applies the cache copies journaled in ops since the last step, and the page table's changes.
-    With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead.
+    With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead,
+    and so do verifications of equally many drafts per sequence where the graphs take them (compiled CPU steps).
     With peers (rank 0 of several), each step is sent to the other ranks before it runs here; a failure then
     stops the instance: this and every later run raise RankFailure. Under DP attention rank 0's runner also takes
     the other DP groups' page tables and journals (`other_groups`, in group order), whose changes it sends.
@@ -120,12 +121,17 @@ class ModelRunner:
                     [c.start for c in chunks], [c.length for c in chunks], [c.seq.slot for c in chunks],
                     max(len(c.seq.pages) for c in chunks), sorted(all_rows),
                     [i for i, c in enumerate(chunks) if c.samples], verify, groups)
-        graphs = self.decode_graphs
-        if (graphs is not None and not all_rows and all(c.length == 1 for c in chunks)
-                and graphs.fits(len(chunks), step.width)):
+        graphs, q = self.decode_graphs, chunks[0].length
+        if (graphs is not None and all(c.length == q for c in chunks) and graphs.fits(len(chunks), step.width, q)
+                and (verify if q > 1 else not all_rows)):
             self._apply_changes(step)
-            logits = graphs.run(step.token_ids, step.starts, step.slots, step.width)
-            return [logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
+            out = graphs.run(step.token_ids, step.starts, step.slots, step.width, q)
+            self.hidden = out.hidden
+            for state, token_states in zip(self.cache.kda, out.token_states):
+                state.token_states = token_states
+            if verify:
+                return list(out.logits.split(q))
+            return [out.logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
         if self.peers is None:
             return self.execute(step)
         try:

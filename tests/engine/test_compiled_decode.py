@@ -53,5 +53,5 @@ def test_compiled_steps_decode_the_eager_tokens(model, args, kimi_linear_dir):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-4)
     graphs = llm.engine.runner.decode_graphs
     assert graphs.forward is not graphs._forward, "the compiled step fell back to eager"
-    assert {size for size, _ in graphs.steps} == {1, 2, 4, *range(8, SEQUENCES + 1, 8)}
+    assert {size for size, _, _ in graphs.steps} == {1, 2, 4, *range(8, SEQUENCES + 1, 8)}
     assert_idle(llm.engine.scheduler)

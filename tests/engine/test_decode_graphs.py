@@ -4,6 +4,8 @@ with it. Off CUDA each replay runs the captured step eagerly, so everything but 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,6 +18,7 @@ from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.decode_graphs import DecodeGraphs, batch_sizes
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
+from kestrel.layers.mla import AUTO, PLAIN, GatedMLA
 from kestrel.ops import backend
 
 PAGE = 4
@@ -110,9 +113,9 @@ def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
         backend.set_backend("torch")
         expected = model.compute_logits(model(torch.tensor(ids), batch, dynamic_cache))
         backend.set_backend(ops)
-        got = graphs.run(ids, prefix, [SEQ_SLOTS[i] for i in live], width)
+        got = graphs.run(ids, prefix, [SEQ_SLOTS[i] for i in live], width).logits
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        expected_keys.add((next(b for b in (1, 2, 4, 8) if b >= len(live)), 1 << (width - 1).bit_length()))
+        expected_keys.add((next(b for b in (1, 2, 4, 8) if b >= len(live)), 1 << (width - 1).bit_length(), 1))
         for j, i in enumerate(live):
             tokens[i] = int(expected[j].argmax())
             lengths[i] += 1
@@ -135,12 +138,49 @@ def test_the_traced_step_equals_the_eager_step(restore_backends):
                                   compile=compile) for cache, compile in zip(caches, (None, "aot_eager")))
     ids, prefix = [1, 2, 3], [len(p) for p in PROMPTS]
     for _ in range(2):
-        expected = eager.run(ids, prefix, SEQ_SLOTS, 4).clone()
-        torch.testing.assert_close(traced.run(ids, prefix, SEQ_SLOTS, 4), expected, rtol=1e-5, atol=1e-5)
+        expected = eager.run(ids, prefix, SEQ_SLOTS, 4).logits.clone()
+        torch.testing.assert_close(traced.run(ids, prefix, SEQ_SLOTS, 4).logits, expected, rtol=1e-5, atol=1e-5)
         ids, prefix = expected.argmax(-1).tolist(), [p + 1 for p in prefix]
-    assert traced.forward is not traced._forward and set(traced.steps) == {(4, 4)}
+    assert traced.forward is not traced._forward and set(traced.steps) == {(4, 4, 1)}
     for got, want in zip(cache_tensors(caches[1]), cache_tensors(caches[0]), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compile", [None, "aot_eager"])
+@torch.inference_mode()
+def test_static_verification_equals_dynamic_verification(compile, restore_backends):
+    """A verification of 3 tokens for each of 3 sequences (padded to 4), as the static step runs it (eagerly, and as
+    torch.compile traces it), against the dynamic step's independent path (variable-length KDA, MLA in the plain
+    form): the logits, the hidden states, and every KDA layer's states after every token; the KDA pools left as
+    they were, the same latent and index-key pages written."""
+    backend.set_backend("torch")
+    model, _ = tiny_model("k3.1-tiny", num_experts=16)
+    dynamic_cache, static_cache = prefilled_cache(model), prefilled_cache(model)
+    pools = [t.clone() for state in static_cache.kda for t in (state.conv, state.recurrent)]
+    graphs = DecodeGraphs(model, static_cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1,
+                          compile=compile, max_tokens_per_seq=3)
+    prefix, ids = [len(p) for p in PROMPTS], list(range(7, 16))
+    width = max(-(-(p + 3) // PAGE) for p in prefix)
+    batch = ForwardBatch.build([3] * 3, prefix, SEQ_SLOTS, [row[:width] for row in SEQ_PAGES], PAGE,
+                               keep_token_states=True)
+    attention = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, GatedMLA)]
+    for mla in attention:
+        mla.form = PLAIN
+    hidden = model(torch.tensor(ids), dataclasses.replace(batch, uniform=False), dynamic_cache)
+    for mla in attention:
+        mla.form = AUTO
+    got = graphs.run(ids, prefix, SEQ_SLOTS, width, 3)
+    torch.testing.assert_close(got.hidden, hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.logits, model.compute_logits(hidden), rtol=1e-4, atol=1e-4)
+    for state, kept in zip(dynamic_cache.kda, got.token_states, strict=True):
+        for got_states, want in ((kept.conv, state.token_states.conv), (kept.recurrent, state.token_states.recurrent)):
+            torch.testing.assert_close(got_states[:9], want, rtol=1e-4, atol=1e-4)
+    for got_pool, before in zip((t for s in static_cache.kda for t in (s.conv, s.recurrent)), pools, strict=True):
+        assert torch.equal(got_pool[:SLOTS - 1], before[:SLOTS - 1])
+    for got_rows, want in zip(cache_tensors(static_cache)[len(pools):], cache_tensors(dynamic_cache)[len(pools):],
+                              strict=True):
+        torch.testing.assert_close(got_rows, want, rtol=1e-4, atol=1e-4)
+    assert set(graphs.steps) == {(4, 4, 3)} and (compile is None) == (graphs.forward == graphs._forward)
 
 
 MAX_BS, MAX_PAGES = 12, 8               # captured sizes 1, 2, 4, 8, 12; up to 32 tokens a sequence
@@ -192,14 +232,14 @@ def test_every_captured_batch_size_decodes_the_dynamic_steps_greedy_tokens(resto
             width = max(x // PAGE + 1 for x in prefix)
             batch = ForwardBatch.build([1] * n, prefix, slots[:n], pages[:n, :width], PAGE)
             expected = model.compute_logits(model(torch.tensor([t[-1] for t in dynamic]), batch, dynamic_cache))
-            got = graphs.run([t[-1] for t in static], prefix, slots[:n], width)
+            got = graphs.run([t[-1] for t in static], prefix, slots[:n], width).logits
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"batch of {n}, step {step}: {m}")
             for tokens, logits in ((dynamic, expected), (static, got)):
                 for seq_tokens, row in zip(tokens, logits):
                     seq_tokens.append(int(row.argmax()))
         assert static == dynamic, f"batch of {n}"
-    assert {size for size, _ in graphs.steps} == set(batch_sizes(MAX_BS)) == {1, 2, 4, 8, 12}
+    assert {size for size, _, _ in graphs.steps} == set(batch_sizes(MAX_BS)) == {1, 2, 4, 8, 12}
 
 
 @pytest.mark.parametrize("ops", ["triton", "torch"])
@@ -219,8 +259,15 @@ def test_the_captured_step_never_waits_on_the_device(ops, restore_backends):
     graphs.run([1, 2, 3][:n], [6, 1, 9][:n], SEQ_SLOTS[:n], 3)
     detector = HostSyncDetector()
     with detector:
-        graphs.steps[(1 if n == 1 else 4, 4)]()
+        graphs.steps[(1 if n == 1 else 4, 4, 1)]()
     assert detector.found == []
+    if ops == "torch":                                   # a verification of 2 tokens per sequence, too
+        verifying = DecodeGraphs(model, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1,
+                                 max_tokens_per_seq=2)
+        verifying.run([1, 2, 3, 4, 5, 6], [6, 1, 9], SEQ_SLOTS, 3, 2)
+        with detector:
+            verifying.steps[(4, 4, 2)]()
+        assert detector.found == []
     with detector:
         ForwardBatch.build([2, 1], [6, 1], SEQ_SLOTS[:2], SEQ_PAGES[:2], PAGE)
     assert detector.found
@@ -254,7 +301,7 @@ def test_engine_tokens_are_the_same_with_graph_replays(model_dir, monkeypatch):
     llm = LLM(str(model_dir), page_size=4, cuda_graph_max_bs=4)
     graphs = llm.engine.runner.decode_graphs
     assert generate(llm) == expected
-    assert {size for size, _ in graphs.steps} == {1, 2, 4} and {1, 2, 8} <= {width for _, width in graphs.steps}
+    assert {size for size, _, _ in graphs.steps} == {1, 2, 4} and {1, 2, 8} <= {width for _, width, _ in graphs.steps}
     pools = llm.engine.scheduler
     assert graphs.scratch_slot == pools.state_pool.num_slots
     assert (pools.page_table.rows[graphs.scratch_slot] == pools.kv_pool.num_pages).all()

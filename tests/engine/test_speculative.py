@@ -9,7 +9,9 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.args import BUNDLED_MODEL
+from kestrel.engine import engine as engine_module
 from kestrel.engine.cache.device_ops import apply_ops
+from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.engine.sampling import SamplingRow, apply_penalties, warp_logits
 from kestrel.engine.spec import ngram
 from kestrel.engine.spec.verify import verify
@@ -78,6 +80,25 @@ def test_greedy_speculation_equals_plain_greedy(model_dir, plain, oracle, k):
     stats = llm.engine.spec_stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens            # drafts both accepted and rejected
     assert stats.accepted_histogram[-1] > 0 and sum(stats.accepted_histogram[:-1]) > 0
+    assert_idle(llm.engine.scheduler)
+
+
+def static_steps(monkeypatch) -> dict:
+    """LLM arguments under which decode steps and verifications of equal drafts run in the padded static step that
+    --enable-torch-compile compiles (here run eagerly: tests/engine/test_decode_graphs.py traces it)."""
+    monkeypatch.setattr(engine_module, "DecodeGraphs",
+                        lambda *args, **kw: DecodeGraphs(*args, **{**kw, "compile": None}))
+    return {"enable_torch_compile": True, "torch_compile_max_bs": 4}
+
+
+def test_verifications_in_the_static_step_keep_plain_greedy(model_dir, plain, oracle, monkeypatch):
+    """Plain greedy's tokens, with drafts both accepted and rejected, when the static step verifies."""
+    llm = spec_llm(model_dir, speculative_num_draft_tokens=3, **static_steps(monkeypatch))
+    assert answers(llm, PROMPTS, greedy(20)) == answers(plain, PROMPTS, greedy(20))
+    steps = llm.engine.runner.decode_graphs.steps
+    assert {1, 4} <= {q for _, _, q in steps}            # decode steps and verifications of 3 drafts
+    stats = llm.engine.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
     assert_idle(llm.engine.scheduler)
 
 
@@ -210,12 +231,14 @@ def test_mtp_greedy_speculation_equals_plain_greedy(model_dir, plain):
     assert_idle(tight.engine.scheduler)
 
 
-def test_mtp_drafts_are_the_mtp_layer_over_the_whole_sequence(model_dir):
+@pytest.mark.parametrize("static", [False, True])
+def test_mtp_drafts_are_the_mtp_layer_over_the_whole_sequence(model_dir, monkeypatch, static):
     """After every step, the first draft is the MTP layer's prediction at the last computed position, computed
     plainly over the whole sequence (the incremental MTP cache, written over every prompt chunk and rewritten over
-    rejected positions, is exact)."""
+    rejected positions, is exact); also when the static step decodes and verifies (it hands over its hidden
+    states)."""
     llm = spec_llm(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2, disable_radix_cache=True,
-                   chunked_prefill_size=8)
+                   chunked_prefill_size=8, **(static_steps(monkeypatch) if static else {}))
     engine, model = llm.engine, llm.engine.model
     engine.add_request("r", PROMPTS[2], greedy(24))
     checked = 0
@@ -235,6 +258,8 @@ def test_mtp_drafts_are_the_mtp_layer_over_the_whole_sequence(model_dir):
             assert seq.draft[0] == int(logits.argmax())
             checked += 1
     assert checked >= 5
+    if static:
+        assert {1, 3} <= {q for _, _, q in engine.runner.decode_graphs.steps}
 
 
 def test_mtp_drafts_pay_on_the_bundled_model():

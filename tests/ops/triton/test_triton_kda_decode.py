@@ -143,9 +143,11 @@ def test_kernel_keeps_token_states(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("keep_token_states", [False, True])
-def test_one_token_each_needs_no_lengths(keep_token_states: bool) -> None:
-    """cu_seqlens=None (a decode step: one token per sequence, no lengths read back) gives what the lengths give."""
-    case = make_case([1, 1, 1, 1], torch.float32, lower_bound=-5.0)
+@pytest.mark.parametrize("each", [1, 3])
+def test_equal_counts_need_no_lengths(keep_token_states: bool, each: int) -> None:
+    """cu_seqlens=None (every sequence brings T / N tokens: a decode step, a verification of equal drafts; no
+    lengths read back) gives what the lengths give, on the reference's uniform path and the kernel."""
+    case = make_case([each] * 4, torch.float32, lower_bound=-5.0)
     for op in (reference.kda_decode, kernel.kda_decode):
         expected = run(op, case, keep_token_states)
         got = run(op, {**case, "cu_seqlens": None}, keep_token_states)

@@ -1,9 +1,9 @@
 """The routed experts: sum_k weights[t, k] * W2_e act(W1_e z_t, W3_e z_t) over each token's chosen experts e.
 
 The reference for the Triton grouped GEMM, and the CPU path itself. Token-expert pairs are sorted by expert, so each
-expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: a view of the
-stacked dense weights (no copy when they are in the activation dtype), or the expert's MXFP4 tile expanded for this
-call (only the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted
+expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: the stacked
+dense weights in one grouped GEMM when they are in the activation dtype (no copy), or each expert's MXFP4 tile
+expanded for this call (only the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted
 rows are added back to their tokens with index_add. No padding, and no weight matrix is copied per token.
 
 MXFP4 on the CPU: three compute formats, measured by benchmarks/bench_moe_cpu.py (docs/benchmarks.md, "moe-cpu") on
@@ -139,17 +139,26 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     order = pairs.argsort(stable=True)                       # [T * k]: the token-expert pairs, sorted by expert
     tokens = order // ids.shape[1]                           # each sorted pair's token
     counts = torch.bincount(pairs, minlength=experts.num_experts).tolist()
-    groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
     x = quantize(z.index_select(0, tokens))                  # [P, D]: each expert's rows one contiguous slice
-    gate, up = (_per_expert(x, groups, experts, name) for name in ("w1", "w3"))
-    y = _per_expert(quantize(activation(gate, up)), groups, experts, "w2")
+    gate, up = (_per_expert(x, counts, experts, name) for name in ("w1", "w3"))
+    y = _per_expert(quantize(activation(gate, up)), counts, experts, "w2")
     scaled = y.float() * weights.flatten().index_select(0, order).unsqueeze(-1)
     return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, tokens, scaled).to(z.dtype)
 
 
-def _per_expert(x: torch.Tensor, groups: list[tuple[int, int]], experts: ExpertWeights, name: str) -> torch.Tensor:
-    """x [P, in], rows grouped by expert as `groups` (expert, rows) says -> [P, out]: each group times its expert's
-    weight `name` (transposed), in x's dtype."""
+def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name: str) -> torch.Tensor:
+    """x [P, in], rows grouped by expert in expert order, counts[e] of expert e -> [P, out]: each group times its
+    expert's weight `name` (transposed), in x's dtype.
+
+    Dense weights already in x's dtype go to one grouped GEMM over all experts in place (torch._grouped_mm; an
+    expert without rows is an empty group), unless a gradient is wanted (it has no CPU backward); otherwise each
+    expert in use is multiplied in turn (a packed one expanded for its product only)."""
+    weight = getattr(experts, name)
+    if not experts.mxfp4 and weight.dtype == x.dtype and not (torch.is_grad_enabled() and
+                                                              (x.requires_grad or weight.requires_grad)):
+        ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
     parts = x.split([rows for _, rows in groups])
     return torch.cat([part @ experts.dense(name, e, x.dtype).t() for (e, _), part in zip(groups, parts)])
 

@@ -50,12 +50,12 @@ class Recipe:
     prompt_len: int = 32
     new_tokens: int = 64
     shard_prompts: int = 64
-    shards: int = 8
+    shards: int = 48
     num_layers: int = 2
     num_heads: int = 4
     intermediate_size: int = 384
     block_size: int = 6
-    steps: int = 600
+    steps: int = 6000
     batch_size: int = 128
     lr: float = 2e-3
     final_lr_ratio: float = 0.1

@@ -7,9 +7,9 @@ one-token steps, so near-ties can flip), greedy, EOS ignored. Two workloads from
 (heldout_sample.txt): "held-out" continues 64-token stretches of it; "quoting" gives a 96-token stretch and then
 its first 32 tokens again, the shape of agentic traffic that quotes earlier text (tool results, code under edit).
 Every configuration runs once untimed (a compiled one compiles its shapes then), then ROUNDS times, alternating,
-and keeps its best time; compiled configurations (enable_torch_compile) are compared with plain compiled decoding. "acceptance length" is the mean
-number of tokens a verification step emits (accepted drafts plus the target's own token); "same tokens" counts
-requests whose tokens equal plain decoding's.
+and keeps its best time; compiled configurations (enable_torch_compile) are compared with plain compiled decoding.
+"acceptance length" is the mean number of tokens a verification step emits (accepted drafts plus the target's own
+token); "same tokens" counts requests whose tokens equal plain (eager) decoding's.
 Writes the section "spec" of docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_spec.py

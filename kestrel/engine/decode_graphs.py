@@ -59,7 +59,8 @@ class StepOutputs(NamedTuple):
     """A static step's results for its n real sequences of q tokens each (T = n * q rows, sequence-major)."""
 
     logits: torch.Tensor                      # [T, vocab] fp32
-    hidden: torch.Tensor                      # [T, D]: the final hidden states (what a model drafter reads)
+    hidden: torch.Tensor | None               # [T, D]: the final hidden states (what a model drafter reads);
+                                              # None from a CUDA graph (no model drafter runs with graphs)
     token_states: tuple[TokenStates, ...]     # verifications (q > 1): each KDA layer's states after every token
 
 
@@ -112,10 +113,8 @@ class DecodeGraphs:
         """The replay of each captured (batch size, width, tokens per sequence): reads self.token_ids and
         self.inputs."""
         self.pool = None
-        if self.capture:           # a graph's outputs live in static buffers outside its memory pool
+        if self.capture:           # a graph's logits live in a static buffer outside its memory pool
             self.logits = torch.empty(max_batch_size, model.config.vocab_size, device=self.device)
-            self.hidden = torch.empty(max_batch_size, model.config.hidden_size, dtype=model.dtype,
-                                      device=self.device)
             self.pool = torch.cuda.graph_pool_handle()
 
     @property
@@ -143,7 +142,8 @@ class DecodeGraphs:
         values = [*prefix_lens, *[0] * pad, *slots, *[self.scratch_slot] * pad]
         self.inputs[:, :size].copy_(torch.tensor(values).view(2, size), non_blocking=True)
         out = replay()
-        return StepOutputs(out.logits[:n * q], out.hidden[:n * q], out.token_states)
+        return StepOutputs(out.logits[:n * q], None if out.hidden is None else out.hidden[:n * q],
+                           out.token_states)
 
     def _capture(self, size: int, width: int, q: int) -> Callable[[], StepOutputs]:
         ids, (prefix, slots) = self.token_ids[:size * q], self.inputs[:, :size]
@@ -155,8 +155,7 @@ class DecodeGraphs:
             logits, hidden, states = self.forward(ids, prefix, slots, width, q)
             if self.capture:
                 self.logits[:size].copy_(logits)
-                self.hidden[:size].copy_(hidden)
-                logits, hidden = self.logits[:size], self.hidden[:size]
+                logits, hidden = self.logits[:size], None
             return StepOutputs(logits, hidden, tuple(TokenStates(*s) for s in states))
 
         self._forward(ids, prefix, slots, width, q)          # warm-up: compiles kernels, initialises libraries

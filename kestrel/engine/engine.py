@@ -62,8 +62,8 @@ class LLMEngine:
                      device.type)
         if graphs and args.speculative_algorithm in ("NEXTN", "DFLASH"):
             graphs = False
-            log.info("decode: CUDA graphs are not used with model drafters yet (untried on a GPU; a graph would "
-                     "replay only their one-token steps, verifications need static per-token state buffers)")
+            log.info("decode: CUDA graphs are not used with model drafters yet (a graph hands back no hidden states, "
+                     "and verifications would need static per-token state buffers)")
         graphs = graphs or compiled
         if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
             self.shutdown()

@@ -128,7 +128,7 @@ class _Bytes:
         self.data += data
 
     async def drain(self) -> None:
-        pass
+        """Nothing to wait for: every byte is kept as soon as it is written."""
 
 
 def test_a_corrupted_transfer_is_read_to_its_end_before_the_verdict():

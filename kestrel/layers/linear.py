@@ -1,15 +1,21 @@
-"""nn.Linear whose float32 CPU inference runs on oneDNN's GEMM instead of MKL's.
+"""nn.Linear whose float32 CPU inference runs on oneDNN's GEMM instead of MKL's, on CPUs where MKL is the slower.
 
 torch's CPU matmul is MKL's sgemm. On an AMD EPYC (Zen 5, AVX-512, 2 threads) MKL streams a [1, 1024] x [1024, 1024]
 decode matvec from memory at 14 GB/s and multiplies 32 rows at 95 GFLOPS; oneDNN (torch's
 `mkldnn._linear_pointwise`) does the same at 23 GB/s and 149 GFLOPS. There the 437M K3 of
-benchmarks/bench_llamacpp.py decodes 1.2-1.4x faster compiled at one sequence and 1.3x at 32. Not measured on an
-Intel CPU. Small weights keep MKL: the op is opaque to torch.compile (a custom op, called back through Python
-from compiled code), which would cost more than it saves on matrices of a few hundred thousand elements (the
-bundled model's). Training (grad enabled), other dtypes and other devices take F.linear unchanged.
+benchmarks/bench_llamacpp.py decodes 1.2-1.4x faster compiled at one sequence and 1.3x at 32. On an Intel Xeon
+(AVX-512 and AMX, 2 threads) it is the other way round: MKL streams the matvec at 24 GB/s against
+oneDNN's 20, and the same 437M K3 decodes compiled at 37 tok/s with MKL against 30 with oneDNN at one sequence,
+as fast at 32 sequences (164 tok/s), and prefills 128 and 512 tokens as fast or faster. MKL takes its fast paths on Intel CPUs only, so the
+rule is the CPU's vendor: Intel keeps F.linear, every other CPU takes oneDNN. Small weights keep MKL everywhere:
+the op is opaque to torch.compile (a custom op, called back through Python from compiled code), which would cost
+more than it saves on matrices of a few hundred thousand elements (the bundled model's). Training (grad enabled),
+other dtypes and other devices take F.linear unchanged.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +23,23 @@ from torch import nn
 
 ONEDNN_MIN_WEIGHT = 1 << 20
 """Weights of at least this many elements (4 MB in float32) take oneDNN."""
-ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def prefers_onednn(cpuinfo: str) -> bool:
+    """Whether oneDNN is the faster float32 GEMM on the CPU /proc/cpuinfo's text describes: any CPU but Intel's."""
+    vendors = {line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")}
+    return vendors != {"GenuineIntel"}
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and prefers_onednn(_cpuinfo())
+"""Whether large float32 weights take oneDNN on this machine."""
 
 
 @torch.library.custom_op("kestrel::onednn_linear", mutates_args=())

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kestrel.layers.linear import ONEDNN_MIN_WEIGHT, Linear, linear, onednn_linear
+import kestrel.layers.linear as linear_module
+from kestrel.layers.linear import ONEDNN_MIN_WEIGHT, Linear, linear, onednn_linear, prefers_onednn
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -18,6 +19,7 @@ def weights(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [(0,), (1,), (7,), (64,), (3, 5)])
 def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch):
+    monkeypatch.setattr(linear_module, "ONEDNN", True)               # whatever this machine's CPU prefers
     weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(1))
     x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(2))
     calls = []
@@ -26,12 +28,25 @@ def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch)
         linear(x, weight, bias)
     assert calls                                                  # the oneDNN op ran
     monkeypatch.undo()
+    monkeypatch.setattr(linear_module, "ONEDNN", True)
     with torch.inference_mode():
         actual = linear(x, weight, bias)
     torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_the_custom_op_traces_into_a_compiled_graph():
+def test_intel_cpus_keep_mkl_every_other_cpu_takes_onednn(monkeypatch):
+    intel, amd = ("processor\t: {}\nvendor_id\t: {}\nflags\t\t: avx512f\n".format(i, vendor)
+                  for i, vendor in enumerate(["GenuineIntel", "AuthenticAMD"]))
+    assert not prefers_onednn(intel + intel)
+    assert prefers_onednn(amd) and prefers_onednn(intel + amd) and prefers_onednn("")
+    monkeypatch.setattr(linear_module, "ONEDNN", False)
+    weight, x = weights(1024, 1024), torch.randn(3, 1024, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+
+
+def test_the_custom_op_traces_into_a_compiled_graph(monkeypatch):
+    monkeypatch.setattr(linear_module, "ONEDNN", True)
     weight, x = weights(1024, 1024), torch.randn(4, 1024, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         eager = linear(x, weight)

@@ -35,12 +35,13 @@ What runs:
    here: 0.7-5 tok/s on two threads against 400-800 tok/s on one, for the bundled-size model's batch-1 decode).
    kestrel: its engine stepped here (LLM(..., dtype="float32") with token-id prompts and greedy SamplingParams),
    decode timed from the step where every sequence has its first token to the end, prefill from add_request to
-   the request's end (its first token); in three configurations (KESTREL): eager and compiled
+   the request's end (its first token); in four configurations (KESTREL): eager and compiled
    (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's default: 0.53 bytes per expert
-   weight, expanded as they are read), and compiled with a float32 copy of the experts
-   (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like
-   one). Compiling happens in the untimed first runs; their extra time is reported, with any step that failed to
-   compile. Prefills are not compiled: the two compiled configurations differ there only by the experts.
+   weight, expanded as they are read), compiled with a float32 copy of the experts (`moe_dense_experts="float32"`:
+   4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like one), and compiled with a bfloat16
+   copy (`moe_dense_experts="bfloat16"`: the same values in 2 bytes, multiplied in float32). Compiling happens in
+   the untimed first runs; their extra time is reported, with any step that failed to compile. Prefills are not
+   compiled: the compiled configurations differ there only by the experts.
 5. Writes the section "llamacpp" of docs/benchmarks.md: versions, the logits agreement, a table per model, and
    the issue's targets (437M: batch-1 decode >= llama.cpp, 32-sequence decode >= 1.5x; bundled-size: batch-1
    decode within 2x; prefill >= llama.cpp on both), met or not, against llama.cpp on two threads as the issue
@@ -113,9 +114,12 @@ F32 = 0
 LLAMA_WORKER = "from benchmarks.bench_llamacpp import llama_worker; llama_worker()"
 KESTREL = {"kestrel eager": {},
            "kestrel compiled": {"enable_torch_compile": True},
-           "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32"}}
-"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled; and
-compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads."""
+           "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32"},
+           "kestrel compiled, bf16 experts": {"enable_torch_compile": True, "moe_dense_experts": "bfloat16"}}
+"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled;
+compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads; and compiled from a bfloat16
+copy, which holds the same values (bfloat16 holds every MXFP4 value) in half the bytes and multiplies them in
+float32 all the same (converted as they are read)."""
 
 
 @dataclass(frozen=True)
@@ -523,7 +527,9 @@ def main() -> None:
         f"over the {NEW} tokens after each sequence's first; prefill: one prompt, tok/s to its first token. "
         "llama.cpp: llama-batched-bench; kestrel: its engine (LLMEngine.add_request/step), eager and compiled "
         "(enable_torch_compile) with its packed MXFP4 experts, and compiled with a float32 copy of the experts "
-        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration). Every "
+        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration), and compiled "
+        "with a bfloat16 copy (moe_dense_experts=bfloat16: the same values in half the bytes, multiplied in "
+        "float32). Every "
         "configuration runs each point once untimed first; then rounds in which the engines alternate point by "
         "point.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "

@@ -15,7 +15,8 @@ spent in the routed experts, at decode of 1 / 32 sequences and a prefill of 128 
   in use, one 65,536-entry table lookup per byte (`expand_mxfp4`, ~1.5 ns per weight, ~10x faster than
   `kestrel.quant.dequantize_mxfp4`). 25 / 257 / 361 ms: the expansion dominates once most experts are in use.
 - a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight (+528 MiB);
-  exact (bfloat16 holds every MXFP4 value); used in place by bfloat16 models, cast per call by float32 ones.
+  exact (bfloat16 holds every MXFP4 value); used in place by bfloat16 models, cast per call by float32 ones
+  (eagerly; the compiled decode step reads it in place, converting as it multiplies, `_pairs_read_less`).
   17 / 135 / 196 ms.
 - a dense float32 copy: +4 bytes per weight (+1,056 MiB), used in place. 13 / 153 / 215 ms.
 The previous path (used experts gathered and dequantized whole every call) took 281 / 4,350 / 5,909 ms.
@@ -125,11 +126,12 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     runs in z's dtype, its input rounded to MXFP8 first with mxfp8_activations (D and I multiples of 32); the
     weighted sum is accumulated in fp32. Differentiable with respect to z, weights and dense experts.
 
-    Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: fewer pairs than experts
-    run `moe_experts_by_pairs` in the graph, more run this grouped computation as one opaque custom op.
+    Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: few pairs
+    (`_pairs_read_less`) run `moe_experts_by_pairs` in the graph, more run this grouped computation as one opaque
+    custom op.
     """
     if torch.compiler.is_compiling():
-        if ids.numel() < experts.num_experts and not mxfp8_activations:
+        if _pairs_read_less(ids.numel(), experts, z.dtype) and not mxfp8_activations:
             return moe_experts_by_pairs(z, ids, weights, experts, activation)
         return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *_tensors(experts), activation.kind,
                                                      activation.beta, activation.linear_beta, mxfp8_activations)
@@ -178,6 +180,18 @@ def moe_experts_by_pairs(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     h = activation(gate, up)
     y = (experts.dense("w2", expert, z.dtype) * h.unsqueeze(1)).sum(-1)                                    # [P, D]
     return (y.float().view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1).to(z.dtype)
+
+
+def _pairs_read_less(pairs: int, experts: ExpertWeights, dtype: torch.dtype) -> bool:
+    """Whether `pairs` token-expert pairs each reading their expert's rows (moe_experts_by_pairs) read fewer bytes
+    than the grouped computation reading each expert once in dtype: for packed experts, fewer pairs than experts;
+    for dense ones, pairs * their width <= experts * dtype's width, so a bfloat16 copy under float32 activations
+    (converted as it is read) serves up to twice as many pairs as experts. Measured on the 437M K3's experts
+    (64, top-4, 11 layers; compiled, 2 threads, a decode of T sequences): float32 experts at T=16 41 ms by pairs
+    against 47 grouped; a bfloat16 copy at T=32 48 ms against 68 (float32, grouped), at T=64 89 against 82."""
+    if experts.mxfp4:
+        return pairs < experts.num_experts
+    return pairs * experts.w1.element_size() <= experts.num_experts * dtype.itemsize
 
 
 def _tensors(experts: ExpertWeights) -> list[torch.Tensor | None]:

@@ -4,13 +4,13 @@ torch's CPU matmul is MKL's sgemm. On an AMD EPYC (Zen 5, AVX-512, 2 threads) MK
 decode matvec from memory at 14 GB/s and multiplies 32 rows at 95 GFLOPS; oneDNN (torch's
 `mkldnn._linear_pointwise`) does the same at 23 GB/s and 149 GFLOPS. There the 437M K3 of
 benchmarks/bench_llamacpp.py decodes 1.2-1.4x faster compiled at one sequence and 1.3x at 32. On an Intel Xeon
-(AVX-512 and AMX, 2 threads) it is the other way round: MKL streams the matvec at 24 GB/s against
-oneDNN's 20, and the same 437M K3 decodes compiled at 37 tok/s with MKL against 30 with oneDNN at one sequence,
-as fast at 32 sequences (164 tok/s), and prefills 128 and 512 tokens as fast or faster. MKL takes its fast paths on Intel CPUs only, so the
-rule is the CPU's vendor: Intel keeps F.linear, every other CPU takes oneDNN. Small weights keep MKL everywhere:
-the op is opaque to torch.compile (a custom op, called back through Python from compiled code), which would cost
-more than it saves on matrices of a few hundred thousand elements (the bundled model's). Training (grad enabled),
-other dtypes and other devices take F.linear unchanged.
+(AVX-512 and AMX, 2 threads) it is the other way round: MKL streams the matvec at 24 GB/s against oneDNN's 20,
+and the same 437M K3 decodes compiled at 37 tok/s with MKL against 30 with oneDNN at one sequence, as fast at 32
+sequences (164 tok/s), and prefills 128 and 512 tokens as fast or faster. MKL is Intel's, tuned for Intel's CPUs,
+so the rule is the CPU's vendor: Intel keeps F.linear, every other CPU takes oneDNN. Small weights keep MKL
+everywhere: the op is opaque to torch.compile (a custom op, called back through Python from compiled code), which
+would cost more than it saves on matrices of a few hundred thousand elements (the bundled model's). Training (grad
+enabled), other dtypes and other devices take F.linear unchanged.
 """
 
 from __future__ import annotations

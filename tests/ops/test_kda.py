@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
-from kestrel.ops.torch.kda import chunk_kda, recurrent_kda
+from kestrel.ops.torch.kda import chunk_kda, recurrent_kda, recurrent_kda_uniform
 
 RELATIVE_TOLERANCE = 1e-4
 LENGTHS_SINGLE = [1, 17, 64, 100, 130]
@@ -257,3 +257,21 @@ def test_bad_inputs_raise_value_error(kda, change, message: str) -> None:
     inputs = change(make_inputs([3, 0, 9]))
     with pytest.raises(ValueError, match=message):
         kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"])
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("length", [1, 2, 5, 8])
+def test_uniform_steps_equal_the_naive_recurrence_token_by_token(gate: str, length: int) -> None:
+    """recurrent_kda_uniform (the closed form of a verification's few tokens) against fla's naive recurrence:
+    each token's output and the state after each token (the naive op's final state over the prefix)."""
+    inputs = make_inputs([length] * 3, gate)
+    per_sequence = {name: inputs[name].unflatten(0, (3, length)) for name in ("q", "k", "v", "g", "beta")}
+    o, token_states = recurrent_kda_uniform(*per_sequence.values(), inputs["initial_state"])
+    expected_o, _ = naive_per_sequence(inputs)
+    assert_close_to(o.flatten(0, 1), expected_o, "outputs")
+    for t in range(length):                   # each sequence's first t + 1 tokens
+        rows = torch.cat([torch.arange(n * length, n * length + t + 1) for n in range(3)])
+        prefix = {**{name: inputs[name][rows] for name in ("q", "k", "v", "g", "beta")},
+                  "cu_seqlens": torch.arange(4) * (t + 1), "initial_state": inputs["initial_state"]}
+        _, states = naive_per_sequence(prefix)
+        assert_close_to(token_states[:, t], states, f"states after token {t}")

@@ -435,12 +435,12 @@ class LLMEngine:
                 self.runner.ops.keep_token_states([start + accepted], [seq.slot])
                 if self.drafter is not None:
                     computed.append((seq, chunk.start, hidden[start:start + accepted + 1]))
-                raw = raw_logprobs(chunk_logits[:len(tokens)])
-                num_top = seq.request.params.logprobs or 0
+                result = None if seq.logprobs is None else gather_logprobs(
+                    raw_logprobs(chunk_logits[:len(tokens)]), torch.tensor(tokens), seq.request.params.logprobs or 0)
                 for i, token in enumerate(tokens):
                     if seq.status is Status.FINISHED:
                         break
-                    self._append(seq, token, gather_logprobs(raw[i:i + 1], torch.tensor([token]), num_top), 0)
+                    self._append(seq, token, result, i)
             except Exception as e:
                 log.exception("request %s failed", seq.request.request_id)
                 self._fail(seq.request, f"{type(e).__name__}: {e}")
@@ -558,7 +558,8 @@ class LLMEngine:
                 seq.finish_reason, seq.stop_reason = "error", message
                 self.scheduler.finish(seq)
 
-    def _append(self, seq: Sequence, token: int, result: SampleResult, row: int) -> None:
+    def _append(self, seq: Sequence, token: int, result: SampleResult | None, row: int) -> None:
+        """Append token, with row `row` of result as its logprobs where seq reports them (result is None where not)."""
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(result, row, seq.request.params.logprobs))
             seq.cumulative_logprob += float(result.logprobs[row])

@@ -218,6 +218,34 @@ def test_the_acceptance_rule_keeps_the_target_distribution():
             assert ((observed - expected).abs() <= bound).all(), (observed, expected)
 
 
+@pytest.mark.parametrize("case", ["plain", "min_tokens pending", "repetition penalty"])
+def test_greedy_acceptance_is_the_longest_run_of_drafts_equal_to_the_argmax(case):
+    """Greedy verification emits the drafts while each is the argmax of the target's (masked, penalised) logits at
+    its position, then the argmax where one is not; the one-argmax path (nothing position-dependent) and the
+    position-by-position path agree with that definition, computed here step by step."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 8, generator=gen)
+    logits[:, 7] += 3.0                                  # EOS (id 7) would win wherever it is not masked
+    kw = {"min_tokens": 3} if case == "min_tokens pending" else {}
+    if case == "repetition penalty":
+        kw["repetition_penalty"] = 4.0
+    params = SamplingParams(temperature=0, max_tokens=8, **kw)
+
+    def argmax_after(history: list[int], i: int) -> int:
+        row = logits[i:i + 1].clone()
+        if len(history) < params.min_tokens:
+            row[0, 7] = float("-inf")
+        return int(apply_penalties(row, [SamplingRow(params, [7], history, None, (7,))]).argmax())
+
+    for draft in ([], [argmax_after([], 0)], [argmax_after([], 0), 0, 1, 2], [3, 2, 1, 0]):
+        expected: list[int] = []
+        for i in range(len(draft) + 1):
+            expected.append(argmax_after(expected, i))
+            if i == len(draft) or expected[-1] != draft[i]:
+                break
+        assert verify(logits, draft, SamplingRow(params, [7], [], None, (7,))) == expected
+
+
 # NEXTN: the model's MTP layer drafts.
 
 def test_mtp_greedy_speculation_equals_plain_greedy(model_dir, plain):

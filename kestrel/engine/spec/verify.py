@@ -18,6 +18,11 @@ from ..sampling import SamplingRow, apply_penalties, mask_stop_tokens, warp_logi
 def verify(logits: torch.Tensor, draft: list[int], row: SamplingRow) -> list[int]:
     """logits [k+1, V] fp32: the target's at the last computed token and at each of the k draft tokens ->
     the tokens to emit (the accepted drafts, then one drawn from the target), 1 to k+1 of them."""
+    params = row.params
+    if params.greedy and not params.penalised and len(row.output_ids) >= params.min_tokens:
+        best = logits[:len(draft) + 1].argmax(-1).tolist()     # nothing depends on the position: one argmax
+        accepted = next((i for i, (token, guess) in enumerate(zip(best, draft)) if token != guess), len(draft))
+        return best[:accepted + 1]
     emitted: list[int] = []
     for i in range(len(draft) + 1):
         step = SamplingRow(row.params, row.prompt_ids, [*row.output_ids, *emitted], row.generator,

@@ -1,7 +1,7 @@
 """Train the block draft of the bundled model (models/k3.1-tiny-dflash) on two CPU cores, and write its folder.
 
     .venv/bin/python tools/train_block_draft.py [--out models/k3.1-tiny-dflash] [--work .cache/train_block_draft]
-                                                [--max-minutes 30]
+                                                [--max-minutes 60]
 
 1. Data (block_draft_data.py): prompts from the bundled model's training works, continued greedily by the frozen
    bundled model in float32, with its hidden state at every position; written in shards to --work.
@@ -50,12 +50,12 @@ class Recipe:
     prompt_len: int = 32
     new_tokens: int = 64
     shard_prompts: int = 64
-    shards: int = 48
+    shards: int = 192
     num_layers: int = 2
     num_heads: int = 4
     intermediate_size: int = 384
     block_size: int = 6
-    steps: int = 6000
+    steps: int = 24000
     batch_size: int = 128
     lr: float = 2e-3
     final_lr_ratio: float = 0.1
@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "k3.1-tiny-dflash", help="folder to write")
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "train_block_draft",
                         help="data shards, checkpoints and the loss log")
-    parser.add_argument("--max-minutes", type=float, default=30.0, help="wall time of this run before it stops")
+    parser.add_argument("--max-minutes", type=float, default=60.0, help="wall time of this run before it stops")
     parser.add_argument("--steps", type=int, default=Recipe.steps, help="training steps")
     parser.add_argument("--shards", type=int, default=Recipe.shards, help="data shards (of 64 prompts)")
     args = parser.parse_args()

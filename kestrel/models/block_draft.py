@@ -116,11 +116,12 @@ class BlockDraftModel(nn.Module):
 
 
 def block_logits(target: KimiForCausalLM, draft: BlockDraftModel, hidden: torch.Tensor,
-                 next_ids: torch.Tensor) -> torch.Tensor:
-    """The draft's logits [N, block_size, vocab] fp32 for tokens t+2 .. t+1+block_size, from the target's hidden
-    states at t [N, D] and the ids of tokens t+1 [N], through the target's embedding, final norm and lm_head."""
+                 next_ids: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
+    """The draft's logits [N, S, vocab] fp32 for tokens t+2 .. t+1+S (S = num_slots, default block_size), from
+    the target's hidden states at t [N, D] and the ids of tokens t+1 [N], through the target's embedding, final
+    norm and lm_head (only the S slots asked for reach the lm_head)."""
     dtype = draft.cond_proj.weight.dtype
-    out = draft(hidden.to(dtype), target.model.embed_tokens(next_ids).to(dtype))
+    out = draft(hidden.to(dtype), target.model.embed_tokens(next_ids).to(dtype))[:, :num_slots]
     n, k, d = out.shape
     return target.compute_logits(out.reshape(n * k, d).to(target.lm_head.weight.dtype)).view(n, k, -1)
 

@@ -62,6 +62,8 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
             alone = block_logits(target, draft, x.hidden[-1:], torch.tensor(x.next_ids[-1:]))[0].argmax(-1)
         assert got == alone.tolist()[:x.count]
     assert [len(d) for d in drafts] == [4, 0, size, 1]
+    few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: only 4 slots reach the lm_head
+    assert BlockDrafter(target, draft).draft(few) == [drafts[0], drafts[3]]
 
 
 def test_a_draft_of_another_width_is_refused(target):

@@ -160,9 +160,10 @@ def recurrent_kda_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         * k.unsqueeze(-3)                                                             # [N, H, L (t), L (j), K]
     coupling = (decayed_keys @ k.unsqueeze(-1)).squeeze(-1).tril(-1) * beta.transpose(-1, -2)   # [N, H, t, j]
     unit = torch.eye(length, dtype=dtype, device=q.device)
-    residual = torch.linalg.solve_triangular(coupling + unit, v - (_decay(cum_g) * k) @ state, upper=False,
+    decay = _decay(cum_g)
+    residual = torch.linalg.solve_triangular(coupling + unit, v - (decay * k) @ state, upper=False,
                                              unitriangular=True)                     # [N, H, L, V]
-    states = (_decay(cum_g).unsqueeze(-1) * state.unsqueeze(2)
+    states = (decay.unsqueeze(-1) * state.unsqueeze(2)
               + decayed_keys.transpose(-1, -2) @ (beta * residual).unsqueeze(2))    # [N, H, L, K, V]
     o = (q.unsqueeze(-2) * scale @ states).squeeze(-2)
     return o.transpose(1, 2).to(v.dtype), states.transpose(1, 2)

@@ -1,9 +1,10 @@
 """Speculative decoding on the CPU with the bundled model (models/k3.1-tiny): plain decoding against NGRAM drafts,
-the model's own MTP layer (NEXTN) and the block draft shipped beside it (DFLASH, models/k3.1-tiny-dflash), at 1
-and 8 concurrent requests.
+the model's own MTP layer (NEXTN) and the block draft shipped beside it (DFLASH, models/k3.1-tiny-dflash), over 8
+requests served one at a time (concurrency 1) and all at once (8).
 
-One run, same machine, float32 (in bfloat16 the verification's batched arithmetic rounds differently from
-one-token steps, so near-ties can flip), greedy, EOS ignored. Two workloads from the held-out sample
+One run, same machine, float32 (in bfloat16 the verification's batched arithmetic rounds differently from one-token
+steps, so near-ties can flip) with the MXFP4 experts held as a float32 copy (packed in the rows that say so),
+greedy, EOS ignored. Two workloads from the held-out sample
 (heldout_sample.txt): "held-out" continues 64-token stretches of it; "quoting" gives a 96-token stretch and then
 its first 32 tokens again, the shape of agentic traffic that quotes earlier text (tool results, code under edit).
 Every configuration runs once untimed (a compiled one compiles its shapes then), then ROUNDS times, alternating,
@@ -36,32 +37,39 @@ OUTPUT_TOKENS = 96
 DFLASH = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 4,
           "speculative_draft_model_path": str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")}
 COMPILED = {"enable_torch_compile": True}
+PACKED = {"moe_dense_experts": "none"}
 CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
            "NEXTN k=1": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 1},
            "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},
            "DFLASH k=4": DFLASH,
+           "plain, packed experts": PACKED, "DFLASH k=4, packed experts": {**DFLASH, **PACKED},
            "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED}}
-"""Each compiled configuration is compared with plain compiled decoding, the others with plain eager decoding."""
+"""Every configuration holds the MXFP4 experts as a float32 copy (DENSE) unless it says "packed experts"; the
+compiled and packed configurations are compared with plain decoding of the same kind, the others with plain."""
+DENSE = {"moe_dense_experts": "float32"}
 
 
 def baseline(name: str) -> str:
-    return "plain, compiled" if "compiled" in name else "plain"
+    return next((f"plain, {kind}" for kind in ("compiled", "packed experts") if kind in name), "plain")
 
 
 def workloads(ids: list[int]) -> dict[str, list[list[int]]]:
-    """Eight prompts of each workload (the first one alone is the concurrency-1 case)."""
+    """Eight prompts of each workload."""
     held_out = [ids[i * 200:i * 200 + 64] for i in range(8)]
     quoting = [ids[i * 200:i * 200 + 96] + ids[i * 200:i * 200 + 32] for i in range(8)]
     return {"held-out": held_out, "quoting": quoting}
 
 
-def run(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]], float]:
-    """Seconds, tokens per request and the acceptance length of this run."""
+def run(llm: LLM, prompts: list[list[int]], concurrency: int) -> tuple[float, list[list[int]], float]:
+    """Seconds, tokens per request and the acceptance length of serving the prompts `concurrency` at a time, one
+    group after another."""
     stats = llm.engine.spec_stats
     steps, accepted = stats.verifications, stats.accepted_tokens
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outputs = [output for first in range(0, len(prompts), concurrency)
+               for output in llm.generate([{"prompt_token_ids": p} for p in prompts[first:first + concurrency]],
+                                          params)]
     seconds = time.perf_counter() - start
     steps, accepted = stats.verifications - steps, stats.accepted_tokens - accepted
     return seconds, [o.outputs[0].token_ids for o in outputs], (accepted + steps) / steps if steps else 1.0
@@ -70,43 +78,46 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]], flo
 def main() -> None:
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
-    engines = {name: LLM(str(BUNDLED_MODEL), dtype="float32", **args) for name, args in CONFIGS.items()}
+    engines = {name: LLM(str(BUNDLED_MODEL), dtype="float32", **{**DENSE, **args})
+               for name, args in CONFIGS.items()}
     tokenizer = engines["plain"].engine.tokenizer
     ids = tokenizer.encode((BUNDLED_MODEL / "heldout_sample.txt").read_text(), add_special_tokens=False)
     rows = []
     for workload, prompts in workloads(ids).items():
         for concurrency in (1, 8):
-            batch = prompts[:concurrency]
             for llm in engines.values():
-                run(llm, batch)                                 # warm-up (compiles the compiled steps' shapes)
+                run(llm, prompts, concurrency)                  # warm-up (compiles the compiled steps' shapes)
             best = {name: float("inf") for name in engines}
             results = {}
             for _ in range(ROUNDS):
                 for name, llm in engines.items():
-                    seconds, tokens, acceptance = run(llm, batch)
+                    seconds, tokens, acceptance = run(llm, prompts, concurrency)
                     best[name] = min(best[name], seconds)
                     results[name] = (tokens, acceptance)
-            produced = OUTPUT_TOKENS * concurrency
+            produced = OUTPUT_TOKENS * len(prompts)
             for name in engines:
                 tokens, acceptance = results[name]
                 same = sum(a == b for a, b in zip(tokens, results["plain"][0]))
                 rows.append([workload, concurrency, name, f"{produced / best[name]:,.1f}",
                              f"{best[baseline(name)] / best[name]:.2f}x",
-                             f"{acceptance:.2f}" if "plain" not in name else "-", f"{same}/{concurrency}"])
+                             f"{acceptance:.2f}" if "plain" not in name else "-", f"{same}/{len(prompts)}"])
                 print(rows[-1], flush=True)
     load_after = os.getloadavg()[0]
     body = "\n\n".join([
         "## Speculative decoding (CPU)",
-        "The bundled model in float32, greedy, EOS ignored, 96 output tokens per request. \"held-out\": 64-token "
-        "stretches of the held-out sample; \"quoting\": a 96-token stretch followed by its first 32 tokens again "
-        "(text that quotes earlier text, as tool results and code edits do). NGRAM drafts from the sequence's own "
-        "earlier tokens; NEXTN from the model's MTP layer, chained for k > 1; DFLASH from the block draft "
-        "(`models/k3.1-tiny-dflash`, one forward per block). \"compiled\": `enable_torch_compile`, decode steps "
-        "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend; the block draft runs "
-        "eagerly), compared with plain compiled decoding; the other rows with plain eager decoding. Acceptance "
-        "length: tokens emitted per verification step. Each configuration ran once untimed (compiling its shapes), "
-        f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
-        "eager decoding.",
+        "The bundled model in float32, greedy, EOS ignored, 96 output tokens per request, 8 requests per workload "
+        "served one at a time (concurrency 1) or all at once (8). \"held-out\": 64-token "
+        "stretches of the held-out sample; \"quoting\": a 96-token stretch followed by its first 32 tokens again (text "
+        "that quotes earlier text, as tool results and code edits do). NGRAM drafts from the sequence's own earlier "
+        "tokens; NEXTN from the model's MTP layer, chained for k > 1; DFLASH from the block draft (`models/k3.1-tiny-"
+        "dflash`, one forward per block). The MXFP4 experts are held as a float32 copy (`moe_dense_experts`, +17 MB) "
+        "except in the \"packed experts\" "
+        "rows, which compare with plain decoding from the packed experts (a verification expands the tiles of up to "
+        "k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps and verifications of equal "
+        "drafts compiled by torch.compile (inductor's C++ backend; the block draft runs eagerly), compared with plain"
+        " compiled decoding; the other rows with plain eager decoding. Acceptance length: tokens emitted per "
+        f"verification step. Each configuration ran once untimed (compiling its shapes), then {ROUNDS} times, "
+        "alternating; the table keeps the best time. \"same tokens as plain\": against plain eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",
         markdown_table(["workload", "concurrency", "drafts", "output tok/s", "vs plain", "acceptance length",

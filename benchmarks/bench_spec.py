@@ -37,7 +37,7 @@ OUTPUT_TOKENS = 96
 DFLASH = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 4,
           "speculative_draft_model_path": str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")}
 COMPILED = {"enable_torch_compile": True}
-PACKED = {"moe_dense_experts": "none"}
+DENSE, PACKED = {"moe_dense_experts": "float32"}, {"moe_dense_experts": "none"}
 CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
            "NEXTN k=1": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 1},
            "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},
@@ -46,7 +46,6 @@ CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "specula
            "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED}}
 """Every configuration holds the MXFP4 experts as a float32 copy (DENSE) unless it says "packed experts"; the
 compiled and packed configurations are compared with plain decoding of the same kind, the others with plain."""
-DENSE = {"moe_dense_experts": "float32"}
 
 
 def baseline(name: str) -> str:
@@ -106,18 +105,18 @@ def main() -> None:
     body = "\n\n".join([
         "## Speculative decoding (CPU)",
         "The bundled model in float32, greedy, EOS ignored, 96 output tokens per request, 8 requests per workload "
-        "served one at a time (concurrency 1) or all at once (8). \"held-out\": 64-token "
-        "stretches of the held-out sample; \"quoting\": a 96-token stretch followed by its first 32 tokens again (text "
-        "that quotes earlier text, as tool results and code edits do). NGRAM drafts from the sequence's own earlier "
-        "tokens; NEXTN from the model's MTP layer, chained for k > 1; DFLASH from the block draft (`models/k3.1-tiny-"
-        "dflash`, one forward per block). The MXFP4 experts are held as a float32 copy (`moe_dense_experts`, +17 MB) "
-        "except in the \"packed experts\" "
-        "rows, which compare with plain decoding from the packed experts (a verification expands the tiles of up to "
-        "k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps and verifications of equal "
-        "drafts compiled by torch.compile (inductor's C++ backend; the block draft runs eagerly), compared with plain"
-        " compiled decoding; the other rows with plain eager decoding. Acceptance length: tokens emitted per "
-        f"verification step. Each configuration ran once untimed (compiling its shapes), then {ROUNDS} times, "
-        "alternating; the table keeps the best time. \"same tokens as plain\": against plain eager decoding.",
+        "served one at a time (concurrency 1) or all at once (8). \"held-out\": 64-token stretches of the held-out "
+        "sample; \"quoting\": a 96-token stretch followed by its first 32 tokens again (text that quotes earlier "
+        "text, as tool results and code edits do). NGRAM drafts from the sequence's own earlier tokens; NEXTN from "
+        "the model's MTP layer, chained for k > 1; DFLASH from the block draft (`models/k3.1-tiny-dflash`, one "
+        "forward per block). The MXFP4 experts are held as a float32 copy (`moe_dense_experts`, +17 MB) except in "
+        "the \"packed experts\" rows, which compare with plain decoding from the packed experts (a verification "
+        "expands the tiles of up to k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps "
+        "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend; the block draft runs "
+        "eagerly), compared with plain compiled decoding; the other rows with plain eager decoding. Acceptance "
+        "length: tokens emitted per verification step. Each configuration ran once untimed (compiling its shapes), "
+        f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
+        "eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",
         markdown_table(["workload", "concurrency", "drafts", "output tok/s", "vs plain", "acceptance length",

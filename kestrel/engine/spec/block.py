@@ -35,7 +35,7 @@ class BlockDrafter:
             return drafts
         hidden = torch.stack([inputs[i].hidden[-1] for i in active])
         next_ids = torch.tensor([inputs[i].next_ids[-1] for i in active], device=self.device)
-        slots = min(max(inputs[i].count for i in active), self.draft_model.config.block_size)
+        slots = max(inputs[i].count for i in active)           # block_logits gives at most block_size
         tokens = block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1).tolist()
         for row, i in zip(tokens, active):
             drafts[i] = row[:inputs[i].count]

@@ -154,16 +154,13 @@ def recurrent_kda_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     q, k, v, g = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g))                 # [N, H, L, K or V]
     beta = beta.to(dtype).transpose(1, 2).unsqueeze(-1)                              # [N, H, L, 1]
     state = state.to(dtype)
-    length = q.shape[2]
     cum_g = g.cumsum(-2)
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
-    decayed_keys = _decay((cum_g.unsqueeze(-2) - cum_g.unsqueeze(-3)).masked_fill(~causal, -math.inf)) \
-        * k.unsqueeze(-3)                                                             # [N, H, L (t), L (j), K]
+    decayed_keys = _causal_decayed_keys(k, cum_g)                                     # [N, H, L (t), L (j), K]
     coupling = (decayed_keys @ k.unsqueeze(-1)).squeeze(-1).tril(-1) * beta.transpose(-1, -2)   # [N, H, t, j]
     decay = _decay(cum_g)
     free = v - (decay * k) @ state
     residual = free                   # substitution: after round i the first i + 1 residuals are exact
-    for _ in range(length - 1):
+    for _ in range(q.shape[2] - 1):
         residual = free - coupling @ residual                                          # [N, H, L, V]
     states = (decay.unsqueeze(-1) * state.unsqueeze(2)
               + decayed_keys.transpose(-1, -2) @ (beta * residual).unsqueeze(2))    # [N, H, L, K, V]
@@ -265,11 +262,15 @@ def _causal_decayed_scores(rows: torch.Tensor, keys: torch.Tensor, cum_g: torch.
 
 def _causal_decayed_scores_elementwise(rows: torch.Tensor, keys: torch.Tensor, cum_g: torch.Tensor) -> torch.Tensor:
     """`_causal_decayed_scores` through the [s, s, K] decay tensor (for small blocks)."""
+    return rows @ _causal_decayed_keys(keys, cum_g).transpose(-1, -2)
+
+
+def _causal_decayed_keys(keys: torch.Tensor, cum_g: torch.Tensor) -> torch.Tensor:
+    """exp(G_i - G_j) keys_j for j <= i, else 0: keys, cum_g [..., s, K] -> [..., s (i), s (j), K]."""
     size = keys.shape[-2]
     causal = torch.ones(size, size, dtype=torch.bool, device=keys.device).tril()
     exponent = (cum_g.unsqueeze(-2) - cum_g.unsqueeze(-3)).masked_fill(~causal.unsqueeze(-1), -math.inf)
-    decayed_keys = _decay(exponent) * keys.unsqueeze(-3)                       # [..., s (i), s (j), K]
-    return rows @ decayed_keys.transpose(-1, -2)
+    return _decay(exponent) * keys.unsqueeze(-3)
 
 
 def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:

@@ -154,14 +154,16 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
     expert's weight `name` (transposed), in x's dtype.
 
     Dense weights already in x's dtype go to one grouped GEMM over all experts in place (torch._grouped_mm; an
-    expert without rows is an empty group), unless a gradient is wanted (it has no CPU backward); otherwise each
-    expert in use is multiplied in turn (a packed one expanded for its product only)."""
+    expert without rows is an empty group) when more than a quarter of the experts are in use, unless a gradient
+    is wanted (it has no CPU backward); otherwise each expert in use is multiplied in turn (a packed one expanded
+    for its product only). On the CPU the grouped GEMM visits every expert, empty ones too: measured at one
+    thread on 32 experts [96, 96], 33 us at 1 to 2 in use against 9 to 13 us for a product each, even at 8."""
     weight = getattr(experts, name)
-    if not experts.mxfp4 and weight.dtype == x.dtype and not (torch.is_grad_enabled() and
-                                                              (x.requires_grad or weight.requires_grad)):
+    groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
+    if (not experts.mxfp4 and weight.dtype == x.dtype and 4 * len(groups) > len(counts)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
     parts = x.split([rows for _, rows in groups])
     return torch.cat([part @ experts.dense(name, e, x.dtype).t() for (e, _), part in zip(groups, parts)])
 

@@ -72,7 +72,8 @@ class EngineArgs:
     speculative_draft_model_path: str | None = None  # DFLASH: the block draft's folder; STANDALONE: the draft model's
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
-    enable_torch_compile: bool = False           # CPU: decode steps compiled by torch.compile (decode_graphs.py)
+    enable_torch_compile: bool = False           # CPU: decode steps (decode_graphs.py) and the KDA prefill's chunk
+                                                 # terms (ops/torch/kda.py) compiled by torch.compile
     torch_compile_max_bs: int = 32               # largest decode batch run compiled (bigger run eagerly)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from ..distributed.pipeline import StageLink, micro_batches
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
+from ..ops.torch.kda import compiled_chunk_terms
 from .cache.device_ops import DeviceOps, Op, Part, apply_ops, read_parts
 from .cache.hicache import Entry
 from .cache.shards import gather_entry, shard_entry
@@ -82,6 +83,8 @@ class ModelRunner:
     Each step first applies the cache copies journaled in ops since the last step, and the page table's changes.
     With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead,
     and so do verifications of equally many drafts per sequence where the graphs take them (compiled CPU steps).
+    With prefill_compile (a torch.compile backend), the other steps' KDA chunk terms run compiled
+    (kestrel.ops.torch.kda.compiled_chunk_terms).
     With peers (rank 0 of several), each step is sent to the other ranks before it runs here; a failure then
     stops the instance: this and every later run raise RankFailure. Under DP attention rank 0's runner also takes
     the other DP groups' page tables and journals (`other_groups`, in group order), whose changes it sends.
@@ -89,7 +92,7 @@ class ModelRunner:
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
                  decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
-                 other_groups: list[tuple[PageTable, DeviceOps]] = ()):
+                 other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table
@@ -97,6 +100,7 @@ class ModelRunner:
         self.journals = [(page_table, ops), *other_groups]
         self.device = model.device
         self.decode_graphs = decode_graphs
+        self.prefill_compile = prefill_compile
         self.peers = peers
         self.failure: str | None = None
         self.hidden: torch.Tensor | None = None
@@ -174,7 +178,8 @@ class ModelRunner:
         if step.groups:
             tokens = [sum(step.lengths[i] for i in step.group_chunks(g)) for g in range(len(step.groups))]
             batch = dataclasses.replace(batch, dp_tokens=tuple(tokens))
-        hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
+        with compiled_chunk_terms(self.prefill_compile):
+            hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         self.hidden = hidden                  # [T, D]: what a model drafter reads after the step
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
         rows = self._logit_rows(step)

@@ -275,3 +275,38 @@ def test_uniform_steps_equal_the_naive_recurrence_token_by_token(gate: str, leng
                   "cu_seqlens": torch.arange(4) * (t + 1), "initial_state": inputs["initial_state"]}
         _, states = naive_per_sequence(prefix)
         assert_close_to(token_states[:, t], states, f"states after token {t}")
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch) -> None:
+    """Within compiled_chunk_terms the intra-chunk terms come from a torch.compile'd graph (aot_eager here: the
+    graph inductor compiles, dynamic in the number of chunks); the outputs, final states and chunk states still
+    match fla's naive recurrence, for 6 and then 2 chunks, and a batch of one chunk or one that wants gradients
+    stays eager."""
+    import kestrel.ops.torch.kda as kda_module
+
+    compiled_calls = []
+    compiled = kda_module._compiled_intra_chunk_terms
+
+    def counting(backend: str):
+        compiled_calls.append(backend)
+        return compiled(backend)
+
+    monkeypatch.setattr(kda_module, "_compiled_intra_chunk_terms", counting)
+    for lengths in (LENGTHS_VARLEN, [100], [64]):
+        inputs = make_inputs(lengths, gate)
+        with torch.inference_mode(), kda_module.compiled_chunk_terms("aot_eager"):
+            o, final, chunk_states = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"],
+                                               output_chunk_states=True)
+        expected_o, expected_final = naive_per_sequence(inputs)
+        assert_close_to(o, expected_o, "o")
+        assert_close_to(final, expected_final, "final state")
+        _, _, eager_states = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"],
+                                       output_chunk_states=True)
+        assert_close_to(chunk_states, eager_states, "chunk states")
+    assert compiled_calls == ["aot_eager", "aot_eager"]          # 6 chunks, 2 chunks; one chunk runs eagerly
+    inputs = make_inputs([100], gate)
+    inputs["v"].requires_grad_()
+    with kda_module.compiled_chunk_terms("aot_eager"):
+        o, _, _ = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"])
+    assert o.requires_grad and compiled_calls == ["aot_eager", "aot_eager"]

@@ -64,3 +64,15 @@ def test_topk_covering_the_context_is_dense_and_ties_go_to_earlier_positions():
     assert torch.equal(topk_mask(scores, causal(t), t), causal(t))
     kept = topk_mask(scores, causal(t), 2)
     assert torch.equal(kept[0, -1], torch.tensor([True, True, False, False, False, False]))
+
+
+def test_topk_mask_keeps_what_a_stable_descending_sort_keeps():
+    """Scores drawn from 4 values (ties everywhere) and -inf where masked, against the definition: the first topk
+    positions of a stable descending sort."""
+    gen = torch.Generator().manual_seed(3)
+    for t, topk in ((9, 1), (9, 4), (33, 8), (33, 32)):
+        mask = torch.rand(2, t, t, generator=gen) < 0.7
+        scores = torch.randint(0, 4, (2, t, t), generator=gen).float().masked_fill(~mask, float("-inf"))
+        chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]
+        expected = torch.zeros_like(mask).scatter_(-1, chosen, True) & mask
+        assert torch.equal(topk_mask(scores, mask, topk), expected)

@@ -20,10 +20,13 @@ def topk_mask(scores: torch.Tensor, mask: torch.Tensor, topk: int) -> torch.Tens
     """Keep the topk highest-scoring allowed keys of each query: [N, L, S] bool (all allowed keys if fewer).
 
     Ties go to the earlier position, so the selection does not depend on how the batch is laid out (relu makes
-    exact-zero scores common).
+    exact-zero scores common): the keys above each row's topk-th highest score, then the earliest of those tied
+    with it, as many as are left (what a stable descending sort keeps, without sorting: 3.5 ms for a 511-token
+    prefill's [511, 511] scores on two cores).
     """
     if scores.shape[-1] <= topk:
         return mask
-    chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk]
-    selected = torch.zeros_like(mask).scatter_(-1, chosen, True)
-    return selected & mask
+    threshold = scores.topk(topk, dim=-1).values[..., -1:]
+    above, tied = scores > threshold, scores == threshold
+    room = topk - above.sum(-1, keepdim=True)
+    return (above | (tied & (tied.cumsum(-1) <= room))) & mask

@@ -112,8 +112,8 @@ def main() -> None:
         "forward per block). The MXFP4 experts are held as a float32 copy (`moe_dense_experts`, +17 MB) except in "
         "the \"packed experts\" rows, which compare with plain decoding from the packed experts (a verification "
         "expands the tiles of up to k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps "
-        "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend; the block draft runs "
-        "eagerly), compared with plain compiled decoding; the other rows with plain eager decoding. Acceptance "
+        "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend), and the block draft "
+        "too (one graph per power-of-two batch), compared with plain compiled decoding; the other rows with plain eager decoding. Acceptance "
         "length: tokens emitted per verification step. Each configuration ran once untimed (compiling its shapes), "
         f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
         "eager decoding.",

@@ -106,7 +106,7 @@ class LLMEngine:
             log.info("decode: %s for batches of up to %d sequences, made on first use",
                      "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:],
-                                  prefill_compile="inductor" if compiled and not self.ranks else None)
+                                  prefill_compile="inductor" if compiled else None)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
@@ -120,7 +120,8 @@ class LLMEngine:
                                  f"{args.model} has none.")
             self.drafter = MTPDrafter(self.model, self.cache, page_table)
         elif args.speculative_algorithm == "DFLASH":
-            self.drafter = BlockDrafter(self.model, shard.draft)
+            self.drafter = BlockDrafter(self.model, shard.draft, args.speculative_num_draft_tokens,
+                                        compile="inductor" if compiled else None)
         self.standalone = None
         if args.speculative_algorithm == "STANDALONE":
             self.standalone = StandaloneDrafter(shard.draft, shard.draft_cache, page_table, args.chunked_prefill_size)

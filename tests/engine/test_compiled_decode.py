@@ -1,7 +1,8 @@
 """The CPU's compiled decode steps (`--enable-torch-compile`: torch.compile with inductor's C++ backend) against eager
 decoding, through the engine: the same greedy tokens, and logprobs within float32 tolerance, for the bundled model
 (MXFP4 experts, indexer, AttnRes) and for a random Kimi-Linear-format model, with FP8 KV, over batches that shrink
-from 64 sequences to 1 (every compiled batch size: 64, 56, ..., 8, 4, 2, 1).
+from 64 sequences to 1 (every compiled batch size: 64, 56, ..., 8, 4, 2, 1); and prefills whose KDA chunk terms
+run compiled against eager prefills.
 
 Inductor compiles C++ for every batch size and page-table width (30-80 s each on two busy cores, then cached on
 disk; pages of 64 tokens keep every step at one width), so these run outside `make test`: `.venv/bin/python -m pytest -m slow tests/engine/test_compiled_decode.py`.
@@ -16,6 +17,7 @@ import torch
 from helpers import assert_idle
 from kestrel import LLM, SamplingParams
 from kestrel.engine.args import BUNDLED_MODEL
+from kestrel.ops.torch import kda
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +57,22 @@ def test_compiled_steps_decode_the_eager_tokens(model, args, kimi_linear_dir):
     assert graphs.forward is not graphs._forward, "the compiled step fell back to eager"
     assert {size for size, _, _ in graphs.steps} == {1, 2, 4, *range(8, SEQUENCES + 1, 8)}
     assert_idle(llm.engine.scheduler)
+
+
+def test_compiled_prefill_chunk_terms_give_the_eager_logprobs():
+    """Prompts of 65 to 300 tokens (2 to 5 KDA chunks, one compiled graph) prefilled with --enable-torch-compile,
+    whose KDA chunk terms inductor compiles: every prompt position's logprob and the first token as eager."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [{"prompt_token_ids": torch.randint(3, 4000, (n,), generator=gen).tolist()} for n in (65, 130, 300)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    runs = []
+    for compile in (False, True):
+        llm = LLM(str(BUNDLED_MODEL), dtype="float32", enable_torch_compile=compile, disable_radix_cache=True)
+        outputs = llm.generate(prompts, params)
+        runs.append([(o.outputs[0].token_ids, torch.tensor([entry[token].logprob for entry, token in
+                                                            zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]))
+                     for o in outputs])
+    assert kda._compiled_intra_chunk_terms.cache_info().currsize and "inductor" not in kda._failed_backends
+    for (eager_tokens, eager_logprobs), (tokens, logprobs) in zip(*runs, strict=True):
+        assert tokens == eager_tokens
+        torch.testing.assert_close(logprobs, eager_logprobs, rtol=0, atol=1e-4)

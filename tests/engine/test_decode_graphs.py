@@ -327,9 +327,11 @@ def test_cuda_graph_and_torch_compile_flags():
 def test_the_engine_compiles_cpu_decode_steps_when_asked(model_dir):
     """--enable-torch-compile on the CPU: decode steps of up to --torch-compile-max-bs sequences go through a
     torch.compile'd step (compiled on first use: tests/engine/test_compiled_decode.py runs it), with the scratch slot
-    and page that padding needs; off by default."""
-    assert LLM(str(model_dir), page_size=4).engine.runner.decode_graphs is None
+    and page that padding needs, and prefills compile their KDA chunk terms; off by default."""
+    runner = LLM(str(model_dir), page_size=4).engine.runner
+    assert runner.decode_graphs is None and runner.prefill_compile is None
     engine = LLM(str(model_dir), page_size=4, enable_torch_compile=True, torch_compile_max_bs=8).engine
+    assert engine.runner.prefill_compile == "inductor"
     graphs, pools = engine.runner.decode_graphs, engine.scheduler
     assert graphs.sizes == [1, 2, 4, 8] and graphs.forward is not graphs._forward and not graphs.capture
     assert graphs.scratch_slot == pools.state_pool.num_slots

@@ -48,27 +48,31 @@ def test_save_and_load_round_trip(tmp_path):
         load_block_draft(tmp_path)
 
 
-def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft):
+@pytest.mark.parametrize("compile", [None, "aot_eager"])
+def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft, compile):
     """Each input's drafts: the draft model run alone on its last hidden state and next token, argmax, the first
-    `count` of the block; inputs that want none get none."""
+    `count` of the block; inputs that want none get none. Also compiled (aot_eager: the graph inductor compiles),
+    where 3 drafting rows are padded to a batch of 4."""
     gen = torch.Generator().manual_seed(0)
     size = draft.config.block_size
     inputs = [DraftInput(slot=i, start=5, hidden=torch.randn(m, 192, generator=gen) * 2,
                          next_ids=torch.randint(4000, (m,), generator=gen).tolist(), capacity=64, count=count)
               for i, (m, count) in enumerate([(1, 4), (3, 0), (7, size + 3), (2, 1)])]
-    drafts = BlockDrafter(target, draft).draft(inputs)
+    drafter = BlockDrafter(target, draft, size, compile)
+    drafts = drafter.draft(inputs)
     for x, got in zip(inputs, drafts):
         with torch.no_grad():
             alone = block_logits(target, draft, x.hidden[-1:], torch.tensor(x.next_ids[-1:]))[0].argmax(-1)
         assert got == alone.tolist()[:x.count]
     assert [len(d) for d in drafts] == [4, 0, size, 1]
-    few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: only 4 slots reach the lm_head
-    assert BlockDrafter(target, draft).draft(few) == [drafts[0], drafts[3]]
+    few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: eagerly only 4 slots reach the lm_head
+    assert drafter.draft(few) == [drafts[0], drafts[3]]
+    assert (drafter.compiled is not None) == bool(compile)            # it did not fall back to eager drafting
 
 
 def test_a_draft_of_another_width_is_refused(target):
     with pytest.raises(ValueError, match="hidden size 32"):
-        BlockDrafter(target, BlockDraftModel(BlockDraftConfig(hidden_size=32, num_heads=2)))
+        BlockDrafter(target, BlockDraftModel(BlockDraftConfig(hidden_size=32, num_heads=2)), 4)
 
 
 def test_acceptance_on_the_held_out_sample_matches_the_card(target, draft):

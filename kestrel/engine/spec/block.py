@@ -5,38 +5,76 @@ It holds no per-sequence state: each step's drafts depend only on that step's Dr
 hidden state and next token), so a rejected draft or a rolled-back, preempted or aborted sequence leaves nothing
 behind to repair. Drafts are the draft model's argmax (deterministic), so verify.py's acceptance rule keeps the
 output distribution the target's.
+
+With a torch.compile backend (the CPU's `--enable-torch-compile`), the draft's forward runs compiled: one graph per
+batch size, padded up to a power of two with rows nobody reads, always drafting num_slots tokens per row (a
+sequence short of room keeps the first ones), so the graphs are few and made on first use.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch._dynamo
 
 from ...models.block_draft import BlockDraftModel, block_logits
 from ...models.kimi import KimiForCausalLM
 from .mtp import DraftInput
 
+log = logging.getLogger("kestrel")
+
 
 class BlockDrafter:
-    """Drafts up to block_size tokens per sequence with one batched forward of the draft model."""
+    """Drafts up to num_slots tokens per sequence (at most the draft's block size) with one batched forward of the
+    draft model, eager or compiled by the torch.compile backend `compile`."""
 
-    def __init__(self, target: KimiForCausalLM, draft: BlockDraftModel):
+    def __init__(self, target: KimiForCausalLM, draft: BlockDraftModel, num_slots: int, compile: str | None = None):
         if draft.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"the block draft has hidden size {draft.config.hidden_size} but the target model has "
                              f"{target.config.hidden_size}; pass a draft trained for this model.")
         self.target, self.draft_model = target, draft
         self.device = target.device
+        self.num_slots = min(num_slots, draft.config.block_size)
+        self.compiled = None
+        if compile:
+            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            if compile == "inductor":
+                options.update({"cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False})
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+            self.compiled = torch.compile(self._argmax_tokens, backend=compile, dynamic=False, fullgraph=True,
+                                          options=options)
+
+    def _argmax_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int) -> torch.Tensor:
+        """hidden [N, D], next_ids [N] -> the draft's tokens [N, slots] int64."""
+        return block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1)
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput]) -> list[list[int]]:
-        """Up to min(input.count, block_size) draft tokens per input, from its last hidden state [D] and next id."""
+        """Up to min(input.count, num_slots) draft tokens per input, from its last hidden state [D] and next id."""
         drafts: list[list[int]] = [[] for _ in inputs]
         active = [i for i, x in enumerate(inputs) if x.count > 0]
         if not active:
             return drafts
         hidden = torch.stack([inputs[i].hidden[-1] for i in active])
         next_ids = torch.tensor([inputs[i].next_ids[-1] for i in active], device=self.device)
-        slots = max(inputs[i].count for i in active)           # block_logits gives at most block_size
-        tokens = block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1).tolist()
-        for row, i in zip(tokens, active):
+        tokens = self._compiled_tokens(hidden, next_ids) if self.compiled is not None else None
+        if tokens is None:
+            tokens = self._argmax_tokens(hidden, next_ids, min(max(inputs[i].count for i in active), self.num_slots))
+        for row, i in zip(tokens.tolist(), active):
             drafts[i] = row[:inputs[i].count]
         return drafts
+
+    def _compiled_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor | None:
+        """The compiled draft's [N, num_slots] tokens, its batch padded to a power of two; None (and eager drafting
+        from then on) if compiling fails."""
+        n = hidden.shape[0]
+        size = 1 << (n - 1).bit_length()
+        hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
+        next_ids = torch.cat([next_ids, next_ids.new_zeros(size - n)])
+        try:
+            return self.compiled(hidden, next_ids, self.num_slots)[:n]
+        except Exception as e:      # inductor failed (no C++ compiler, an op it cannot trace): draft eagerly
+            log.warning("DFLASH: torch.compile of the block draft failed, drafting eagerly from now on: %s", e)
+            self.compiled = None
+            return None

@@ -36,6 +36,7 @@ from functools import cache, reduce
 from itertools import accumulate
 
 import torch
+import torch._dynamo
 
 log = logging.getLogger("kestrel")
 
@@ -137,6 +138,7 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 @cache
 def _compiled_intra_chunk_terms(backend: str) -> Callable[..., IntraChunkTerms]:
+    """_intra_chunk_terms compiled by backend (once per process; its inputs mark the chunk count dynamic)."""
     options = {"cpp_wrapper": True} if backend == "inductor" else None
     return torch.compile(_intra_chunk_terms, backend=backend, options=options)
 

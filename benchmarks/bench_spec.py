@@ -113,8 +113,8 @@ def main() -> None:
         "the \"packed experts\" rows, which compare with plain decoding from the packed experts (a verification "
         "expands the tiles of up to k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps "
         "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend), and the block draft "
-        "too (one graph per power-of-two batch), compared with plain compiled decoding; the other rows with plain eager decoding. Acceptance "
-        "length: tokens emitted per verification step. Each configuration ran once untimed (compiling its shapes), "
+        "too (one graph per power-of-two batch), compared with plain compiled decoding; the other rows with plain "
+        "eager decoding. Acceptance length: tokens emitted per verification step. Each configuration ran once untimed (compiling its shapes), "
         f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
         "eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "

@@ -64,6 +64,15 @@ class StepOutputs(NamedTuple):
     token_states: tuple[TokenStates, ...]     # verifications (q > 1): each KDA layer's states after every token
 
 
+def compile_options(backend: str) -> dict:
+    """torch.compile options for a forward over fixed weights (see DecodeGraphs): module guards skipped, and under
+    inductor the weights frozen as constants without a oneDNN-packed copy, and the wrapper code in C++."""
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if backend == "inductor":
+        options.update({"cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False})
+    return options
+
+
 def graphs_supported(device: torch.device) -> bool:
     """Whether decode steps on `device` can be captured: CUDA, with every decode op on its Triton kernel."""
     return device.type == "cuda" and all(backend.backend_for(op, device) == backend.TRITON for op in DECODE_OPS)
@@ -105,11 +114,8 @@ class DecodeGraphs:
             widths = page_table.max_pages.bit_length() + 1
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) * widths * self.max_tokens_per_seq)
-            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            if compile == "inductor":
-                options.update({"cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False})
             self.forward = torch.compile(self._forward, backend=compile, dynamic=False, fullgraph=True,
-                                         options=options)
+                                         options=compile_options(compile))
         self.token_ids = torch.zeros(max_batch_size * self.max_tokens_per_seq, dtype=torch.long, device=self.device)
         self.inputs = torch.zeros(2, max_batch_size, dtype=torch.long, device=self.device)  # prefix lengths, slots
         self.steps: dict[tuple[int, int, int], Callable[[], StepOutputs]] = {}

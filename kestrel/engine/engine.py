@@ -106,7 +106,7 @@ class LLMEngine:
             log.info("decode: %s for batches of up to %d sequences, made on first use",
                      "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:],
-                                  prefill_compile="inductor" if compiled else None)
+                                  prefill_compile="inductor" if compiled and not self.ranks else None)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
+from kestrel.ops.torch import kda as kda_ops
 from kestrel.ops.torch.kda import chunk_kda, recurrent_kda, recurrent_kda_uniform
 
 RELATIVE_TOLERANCE = 1e-4
@@ -281,21 +282,19 @@ def test_uniform_steps_equal_the_naive_recurrence_token_by_token(gate: str, leng
 def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch) -> None:
     """Within compiled_chunk_terms the intra-chunk terms come from a torch.compile'd graph (aot_eager here: the
     graph inductor compiles, dynamic in the number of chunks); the outputs, final states and chunk states still
-    match fla's naive recurrence, for 6 and then 2 chunks, and a batch of one chunk or one that wants gradients
+    match fla's naive recurrence, for 8 and then 2 chunks, and a batch of one chunk or one that wants gradients
     stays eager."""
-    import kestrel.ops.torch.kda as kda_module
-
     compiled_calls = []
-    compiled = kda_module._compiled_intra_chunk_terms
+    compiled = kda_ops._compiled_intra_chunk_terms
 
     def counting(backend: str):
         compiled_calls.append(backend)
         return compiled(backend)
 
-    monkeypatch.setattr(kda_module, "_compiled_intra_chunk_terms", counting)
+    monkeypatch.setattr(kda_ops, "_compiled_intra_chunk_terms", counting)
     for lengths in (LENGTHS_VARLEN, [100], [64]):
         inputs = make_inputs(lengths, gate)
-        with torch.inference_mode(), kda_module.compiled_chunk_terms("aot_eager"):
+        with torch.inference_mode(), kda_ops.compiled_chunk_terms("aot_eager"):
             o, final, chunk_states = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"],
                                                output_chunk_states=True)
         expected_o, expected_final = naive_per_sequence(inputs)
@@ -304,9 +303,9 @@ def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch) -> N
         _, _, eager_states = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"],
                                        output_chunk_states=True)
         assert_close_to(chunk_states, eager_states, "chunk states")
-    assert compiled_calls == ["aot_eager", "aot_eager"]          # 6 chunks, 2 chunks; one chunk runs eagerly
+    assert compiled_calls == ["aot_eager", "aot_eager"]          # 8 chunks, 2 chunks; one chunk runs eagerly
     inputs = make_inputs([100], gate)
     inputs["v"].requires_grad_()
-    with kda_module.compiled_chunk_terms("aot_eager"):
+    with kda_ops.compiled_chunk_terms("aot_eager"):
         o, _, _ = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"])
     assert o.requires_grad and compiled_calls == ["aot_eager", "aot_eager"]

@@ -20,6 +20,7 @@ import torch._dynamo
 
 from ...models.block_draft import BlockDraftModel, block_logits
 from ...models.kimi import KimiForCausalLM
+from ..decode_graphs import compile_options
 from .mtp import DraftInput
 
 log = logging.getLogger("kestrel")
@@ -38,12 +39,9 @@ class BlockDrafter:
         self.num_slots = min(num_slots, draft.config.block_size)
         self.compiled = None
         if compile:
-            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            if compile == "inductor":
-                options.update({"cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False})
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
             self.compiled = torch.compile(self._argmax_tokens, backend=compile, dynamic=False, fullgraph=True,
-                                          options=options)
+                                          options=compile_options(compile))
 
     def _argmax_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int) -> torch.Tensor:
         """hidden [N, D], next_ids [N] -> the draft's tokens [N, slots] int64."""

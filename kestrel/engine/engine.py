@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,14 +28,13 @@ from .dp_scheduler import DPScheduler
 from .handoff import Handoff, handoff_parts, handoff_spec
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
-from .ranks import Ranks, load_shard
+from .ranks import Ranks, load_shard, model_drafter
 from .request import Request, Sequence, Status
 from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs, model_sampling_defaults,
                        new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
 from .spec import ngram
-from .spec.block import BlockDrafter
-from .spec.mtp import DraftInput, MTPDrafter
+from .spec.mtp import DraftInput
 from .spec.standalone import StandaloneDrafter
 from .spec.stats import SpecStats
 from .spec.verify import verify
@@ -45,6 +45,17 @@ log = logging.getLogger("kestrel")
 
 COMPILE_POLL_S = 0.05
 """With nothing to run but grammars compiling, a step waits this long for one of them."""
+
+
+class Computed(NamedTuple):
+    """Positions start..start+length-1 of seq that a forward just computed and kept, for a model drafter: their
+    hidden states are rows first_row.. of the forward-th hidden states the runner kept (ModelRunner.kept)."""
+
+    seq: Sequence
+    start: int
+    forward: int
+    first_row: int
+    length: int
 
 
 class LLMEngine:
@@ -65,10 +76,6 @@ class LLMEngine:
             log.info("decode: CUDA graphs are not used with model drafters yet (a graph hands back no hidden states, "
                      "and verifications would need static per-token state buffers)")
         graphs = graphs or compiled
-        if args.speculative_algorithm in ("NEXTN", "DFLASH") and self.ranks:
-            self.shutdown()
-            raise ValueError(f"the {args.speculative_algorithm} drafter runs in one process for now; drop --tp-size "
-                             "or use NGRAM or STANDALONE.")
         if graphs and self.ranks:
             log.info("decode: CUDA graphs and compiled steps are not used with more than one rank yet; decoding "
                      "eagerly")
@@ -105,23 +112,20 @@ class LLMEngine:
                                                                  if args.speculative_algorithm != "none" else 0))
             log.info("decode: %s for batches of up to %d sequences, made on first use",
                      "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
+        try:
+            self.drafter = model_drafter(args, shard, "inductor" if compiled and not self.ranks else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:],
-                                  prefill_compile="inductor" if compiled and not self.ranks else None)
+                                  prefill_compile="inductor" if compiled and not self.ranks else None,
+                                  drafter=self.drafter)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
         self._compiling: dict[str, Future] = {}     # request id -> its grammar, compiling
         self._finished_on_arrival: list[Request] = []    # prefilled requests whose first token ended them
         self.spec_stats = SpecStats(args.speculative_num_draft_tokens)
-        self.drafter = None
-        if args.speculative_algorithm == "NEXTN":
-            if not self.config.num_nextn_predict_layers:
-                raise ValueError(f"--speculative-algorithm NEXTN drafts with the model's MTP layers, and "
-                                 f"{args.model} has none.")
-            self.drafter = MTPDrafter(self.model, self.cache, page_table)
-        elif args.speculative_algorithm == "DFLASH":
-            self.drafter = BlockDrafter(self.model, shard.draft, args.speculative_num_draft_tokens,
-                                        compile="inductor" if compiled else None)
         self.standalone = None
         if args.speculative_algorithm == "STANDALONE":
             self.standalone = StandaloneDrafter(shard.draft, shard.draft_cache, page_table, args.chunked_prefill_size)
@@ -318,14 +322,14 @@ class LLMEngine:
             return [request.output() for request in rejected]
         touched: dict[str, Request] = {r.request_id: r for r in rejected}
         plain, verifying = [c for c in chunks if not c.draft], [c for c in chunks if c.draft]
-        computed: list[tuple[Sequence, int, torch.Tensor]] = []     # for a model drafter (MTP, block draft)
+        computed: list[Computed] = []     # for a model drafter (MTP, block draft)
         if plain:
             self._run_plain(plain, touched, computed)
         if verifying:
             self._run_verify(verifying, touched, computed)
         if self.drafter is not None:
             started = time.perf_counter()
-            self._draft_from_hidden(computed)
+            self._draft_from_hidden(computed, touched)
             self.spec_stats.draft_seconds += time.perf_counter() - started
         for request_id, request in touched.items():
             if request.finished:
@@ -345,18 +349,18 @@ class LLMEngine:
                 touched[request.request_id] = request
             return None
 
-    def _run_plain(self, chunks: list[ScheduledChunk], touched: dict[str, Request],
-                   computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+    def _run_plain(self, chunks: list[ScheduledChunk], touched: dict[str, Request], computed: list[Computed]
+                   ) -> None:
         """Prefill chunks and one-token decode steps: compute, then sample where a chunk reaches its end.
-        computed gets each chunk's (sequence, first position, hidden states)."""
+        computed gets each chunk's positions."""
         all_rows = {i for i, c in enumerate(chunks) if self._needs_prompt_logprobs(c)}
         logits = self._forward(chunks, all_rows, touched)
         if logits is None:
             return
         if self.drafter is not None:
             rows = itertools.accumulate([c.length for c in chunks], initial=0)
-            computed += [(c.seq, c.start, self.runner.hidden[first:first + c.length])
-                         for c, first in zip(chunks, rows)]
+            forward = len(self.runner.kept) - 1
+            computed += [Computed(c.seq, c.start, forward, first, c.length) for c, first in zip(chunks, rows)]
         to_sample: list[tuple[Sequence, torch.Tensor]] = []
         for i, (chunk, chunk_logits) in enumerate(zip(chunks, logits)):
             chunk.seq.num_computed += chunk.length
@@ -393,34 +397,43 @@ class LLMEngine:
         for (seq, _), draft in zip(wanted, drafts):
             seq.draft = tuple(draft)
 
-    def _draft_from_hidden(self, computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+    def _draft_from_hidden(self, computed: list[Computed], touched: dict[str, Request]) -> None:
         """Hand the model drafter (MTP layer, block draft) the positions this step computed and kept, and take its
-        drafts for the next step. A position's input is its hidden state and the token after it, so a chunk's
-        last position waits for that token: the next prompt token, or the one just sampled."""
+        drafts for the next step (on every rank; called every step, so that no rank keeps hidden states longer).
+        A position's input is its hidden state and the token after it, so a chunk's last position waits for that
+        token: the next prompt token, or the one just sampled. A failure fails the drafting requests."""
         inputs, owners = [], []
-        for seq, start, hidden in computed:
+        for seq, start, forward, first_row, length in computed:
             if seq.status is not Status.RUNNING:
                 continue
-            end = min(start + hidden.shape[0], seq.num_tokens - 1)      # positions whose next token is known
+            end = min(start + length, seq.num_tokens - 1)      # positions whose next token is known
             if end <= start:
                 continue
-            inputs.append(DraftInput(seq.slot, start, hidden[:end - start], seq.tokens(start + 1, end + 1),
+            inputs.append(DraftInput(seq.slot, start, forward, first_row, seq.tokens(start + 1, end + 1),
                                      len(seq.pages) * self.plan.page_size, self._draft_room(seq)))
             owners.append(seq)
-        for seq, draft in zip(owners, self.drafter.draft(inputs)):
+        try:
+            drafts = self.runner.draft(inputs)
+        except Exception as e:
+            log.exception("drafting failed")
+            for seq in owners:
+                self._fail(seq.request, f"drafting failed: {type(e).__name__}: {e}")
+                touched[seq.request.request_id] = seq.request
+            return
+        for seq, draft in zip(owners, drafts):
             seq.draft = tuple(draft)
 
-    def _run_verify(self, chunks: list[ScheduledChunk], touched: dict[str, Request],
-                    computed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+    def _run_verify(self, chunks: list[ScheduledChunk], touched: dict[str, Request], computed: list[Computed]
+                    ) -> None:
         """Verify every chunk's draft in one forward, then per sequence: emit the accepted tokens, commit the KDA
         state after the last token computed and accepted, release the pages past what the next verification
-        needs. computed gets each sequence's (sequence, first position, hidden states of the kept positions)."""
+        needs. computed gets each sequence's kept positions (the last accepted one's included)."""
         started = time.perf_counter()
         logits = self._forward(chunks, set(range(len(chunks))), touched, verify=True)
         self.spec_stats.verify_seconds += time.perf_counter() - started
         if logits is None:
             return
-        hidden = self.runner.hidden
+        forward = len(self.runner.kept) - 1
         first = 0
         for chunk, chunk_logits in zip(chunks, logits):
             seq, draft = chunk.seq, list(chunk.draft)
@@ -436,7 +449,7 @@ class LLMEngine:
                 seq.num_computed += 1 + accepted
                 self.runner.ops.keep_token_states([start + accepted], [seq.slot])
                 if self.drafter is not None:
-                    computed.append((seq, chunk.start, hidden[start:start + accepted + 1]))
+                    computed.append(Computed(seq, chunk.start, forward, start, accepted + 1))
                 result = None if seq.logprobs is None else gather_logprobs(
                     raw_logprobs(chunk_logits[:len(tokens)]), torch.tensor(tokens), seq.request.params.logprobs or 0)
                 for i, token in enumerate(tokens):

@@ -12,8 +12,9 @@ the logits to rank 0.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -28,6 +29,10 @@ from .cache.shards import gather_entry, shard_entry
 from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
+from .spec.block import BlockDrafter
+from .spec.mtp import DraftInput, MTPDrafter
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,14 @@ class Save:
     parts: list[Part]
 
 
+@dataclass(frozen=True)
+class Draft:
+    """Draft on every rank from the hidden states kept since the last Draft (a model drafter's layers, embedding
+    and LM head are sharded like the model's, so all ranks run it together), then drop them."""
+
+    inputs: list[DraftInput]
+
+
 class RankFailure(RuntimeError):
     """A rank of a distributed instance failed; the instance cannot run any further step."""
 
@@ -70,7 +83,7 @@ class RankFailure(RuntimeError):
 class Peers(Protocol):
     """Rank 0's handle on the other ranks (engine.ranks.Ranks)."""
 
-    def send(self, message: Step | Save) -> None: ...
+    def send(self, message: Step | Save | Draft) -> None: ...
 
     def gather(self, entry: Entry) -> list[Entry]: ...
 
@@ -85,14 +98,17 @@ class ModelRunner:
     and so do verifications of equally many drafts per sequence where the graphs take them (compiled CPU steps).
     With prefill_compile (a torch.compile backend), the other steps' KDA chunk terms run compiled
     (kestrel.ops.torch.kda.compiled_chunk_terms).
-    With peers (rank 0 of several), each step is sent to the other ranks before it runs here; a failure then
-    stops the instance: this and every later run raise RankFailure. Under DP attention rank 0's runner also takes
+    With a model drafter (MTP layers, block draft), every forward's final hidden states are kept until the next
+    draft reads them (`kept`).
+    With peers (rank 0 of several), each step and draft is sent to the other ranks before it runs here; a failure
+    then stops the instance: this and every later run raise RankFailure. Under DP attention rank 0's runner also takes
     the other DP groups' page tables and journals (`other_groups`, in group order), whose changes it sends.
     """
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
                  decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
-                 other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None):
+                 other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None,
+                 drafter: MTPDrafter | BlockDrafter | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table
@@ -103,7 +119,8 @@ class ModelRunner:
         self.prefill_compile = prefill_compile
         self.peers = peers
         self.failure: str | None = None
-        self.hidden: torch.Tensor | None = None
+        self.drafter = drafter
+        self.kept: list[torch.Tensor] = []       # per forward since the last draft: its hidden states [T, D]
         par = model.par
         self.link = StageLink(par.layout, par.via_host) if par.layout.pp_size > 1 else None
 
@@ -112,8 +129,6 @@ class ModelRunner:
         """Logits (fp32) per chunk: [length, vocab] for chunks in all_rows (their indices; prompt logprobs need
         every position), [1, vocab] at the last token for chunks that sample, None for the rest. verify: the
         chunks are speculative verifications (see Step)."""
-        if self.failure is not None:
-            raise RankFailure(self.failure)
         groups = ()
         if len(self.journals) > 1:
             order = [c.seq.dp_group for c in chunks]
@@ -130,37 +145,48 @@ class ModelRunner:
                 and (verify if q > 1 else not all_rows)):
             self._apply_changes(step)
             out = graphs.run(step.token_ids, step.starts, step.slots, step.width, q)
-            self.hidden = out.hidden
+            self._keep(out.hidden)
             for state, token_states in zip(self.cache.kda, out.token_states):
                 state.token_states = token_states
             if verify:
                 return list(out.logits.split(q))
             return [out.logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
-        if self.peers is None:
-            return self.execute(step)
-        try:
-            self.peers.send(step)
-            return self.execute(step)
-        except Exception as e:     # the ranks may now disagree about the caches: no step can run any more
-            self.failure = f"the distributed instance stopped: {self.peers.explain(e)}"
-            raise RankFailure(self.failure) from e
+        return self._everywhere(step, lambda: self.execute(step))
 
     @torch.inference_mode()
     def save(self, parts: list[Part]) -> Entry:
         """CPU copies of parts after every cache write journaled so far, in the single-process layout (gathered
         from every rank of a distributed instance: kestrel.engine.cache.shards)."""
-        if self.failure is not None:
-            raise RankFailure(self.failure)
         message = Save([ops.take() for _, ops in self.journals], parts)
         if self.peers is None:
             return self.read(message)
+        entries = self._everywhere(message, lambda: self.peers.gather(self.read(message)))
+        return gather_entry(entries, self.model.par.layout, self.model.config)
+
+    def draft(self, inputs: list[DraftInput]) -> list[list[int]]:
+        """The model drafter's tokens for inputs, which point into the hidden states kept since the last draft
+        (dropped now, on every rank). Called once per engine step, inputs or not, so that no rank keeps more."""
+        message = Draft(inputs)
+        return self._everywhere(message, lambda: self.run_draft(message))
+
+    def run_draft(self, draft: Draft) -> list[list[int]]:
+        """Draft on this rank (see Draft)."""
+        kept, self.kept = self.kept, []
+        return self.drafter.draft(draft.inputs, kept)
+
+    def _everywhere(self, message: Step | Save | Draft, here: Callable[[], T]) -> T:
+        """here() after sending message to the other ranks, if any. A failure with peers stops the instance (the
+        ranks may now disagree about the caches): this and every later call raise RankFailure."""
+        if self.failure is not None:
+            raise RankFailure(self.failure)
+        if self.peers is None:
+            return here()
         try:
             self.peers.send(message)
-            entries = self.peers.gather(self.read(message))
+            return here()
         except Exception as e:
             self.failure = f"the distributed instance stopped: {self.peers.explain(e)}"
             raise RankFailure(self.failure) from e
-        return gather_entry(entries, self.model.par.layout, self.model.config)
 
     def read(self, save: Save) -> Entry:
         """This rank's share of save's parts."""
@@ -180,7 +206,7 @@ class ModelRunner:
             batch = dataclasses.replace(batch, dp_tokens=tuple(tokens))
         with compiled_chunk_terms(self.prefill_compile):
             hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
-        self.hidden = hidden                  # [T, D]: what a model drafter reads after the step
+        self._keep(hidden)
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
         rows = self._logit_rows(step)
         if rows:
@@ -227,6 +253,11 @@ class ModelRunner:
                     for i, chunk_logits in zip(rows, logits.split([len(r) for r in rows.values()])):
                         out[i] = chunk_logits
         return out
+
+    def _keep(self, hidden: torch.Tensor | None) -> None:
+        """Keep a forward's final hidden states [T, D] for the next draft (with a model drafter)."""
+        if self.drafter is not None:
+            self.kept.append(hidden)
 
     def _batch(self, step: Step, chunks: range) -> ForwardBatch:
         """The ForwardBatch of step's chunks (a contiguous run of them)."""

@@ -33,7 +33,9 @@ from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
-from .model_runner import ModelRunner, Save
+from .model_runner import Draft, ModelRunner, Save
+from .spec.block import BlockDrafter
+from .spec.mtp import MTPDrafter
 
 log = logging.getLogger("kestrel")
 
@@ -116,6 +118,20 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     handoff_cache = cache if par.layout.world_size == 1 else HybridCache.allocate(
         config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta")
     return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache)
+
+
+def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
+                  ) -> MTPDrafter | BlockDrafter | None:
+    """The drafter that reads the target's hidden states, on this rank's shard: NEXTN's MTP layers or DFLASH's
+    block draft (compiled by the torch.compile backend `compile`, if any); None for the other algorithms."""
+    if args.speculative_algorithm == "NEXTN":
+        if not shard.model.config.num_nextn_predict_layers:
+            raise ValueError(f"--speculative-algorithm NEXTN drafts with the model's MTP layers, and {args.model} "
+                             "has none.")
+        return MTPDrafter(shard.model, shard.cache, shard.page_table)
+    if args.speculative_algorithm == "DFLASH":
+        return BlockDrafter(shard.model, shard.draft, args.speculative_num_draft_tokens, compile)
+    return None
 
 
 def _load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> KimiForCausalLM:
@@ -226,11 +242,14 @@ def run_rank(spec: RankSpec, args: EngineArgs) -> None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node(spec.world_size, args.nnodes)))
         par, control = init_process_groups(spec, layout, device)
         shard = load_shard(args, par, device, control)
-        runner = ModelRunner(shard.model, shard.cache, shard.page_table, DeviceOps())
+        runner = ModelRunner(shard.model, shard.cache, shard.page_table, DeviceOps(),
+                             drafter=model_drafter(args, shard))
         channel = StepChannel(control)
         while (message := channel.receive()) is not None:
             if isinstance(message, Save):
                 channel.gather(runner.read(message))
+            elif isinstance(message, Draft):
+                runner.run_draft(message)
             else:
                 runner.execute(message)
         dist.destroy_process_group()

@@ -106,6 +106,27 @@ def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_reque
         os.kill(worker.pid, 0)
 
 
+@pytest.mark.parametrize("algorithm,layout", [("NEXTN", {"dcp_size": 2}), ("DFLASH", {})])
+def test_model_drafters_at_tp2_draft_what_one_process_drafts(expected, algorithm, layout):
+    """NEXTN (the MTP layer, its attention cache split by position under DCP2) and DFLASH (the block draft) at TP2:
+    every rank drafts from its own kept hidden states through the sharded embedding, layers and LM heads; greedy
+    tokens equal one process's plain ones, and the drafts one process's with the same drafter (equal counts)."""
+    spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3, **ARGS)
+    if algorithm == "DFLASH":
+        spec["speculative_draft_model_path"] = str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")
+    one = LLM(str(BUNDLED_MODEL), **spec)
+    assert tokens(one) == expected
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, **layout, **spec)
+    try:
+        assert tokens(llm) == expected
+        stats, alone = llm.engine.spec_stats, one.engine.spec_stats
+        assert stats.accepted_tokens > 0
+        assert stats.accepted_histogram == alone.accepted_histogram
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
 def test_pd_handoffs_between_instances_of_different_layouts(expected):
     """A prefill instance at TP2 x DCP2 hands each prompt's state over gathered into one process's layout; a decode
     instance at PP2 splits it over its stages and continues: one process's greedy tokens (chunked prompts)."""

@@ -55,18 +55,21 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
     where 3 drafting rows are padded to a batch of 4."""
     gen = torch.Generator().manual_seed(0)
     size = draft.config.block_size
-    inputs = [DraftInput(slot=i, start=5, hidden=torch.randn(m, 192, generator=gen) * 2,
-                         next_ids=torch.randint(4000, (m,), generator=gen).tolist(), capacity=64, count=count)
-              for i, (m, count) in enumerate([(1, 4), (3, 0), (7, size + 3), (2, 1)])]
+    kept = [torch.randn(9, 192, generator=gen) * 2, torch.randn(6, 192, generator=gen) * 2]    # two forwards
+    inputs = [DraftInput(slot=i, start=5, forward=forward, first_row=first, capacity=64, count=count,
+                         next_ids=torch.randint(4000, (m,), generator=gen).tolist())
+              for i, (forward, first, m, count) in enumerate([(0, 0, 1, 4), (0, 1, 3, 0), (1, 0, 5, size + 3),
+                                                              (0, 7, 2, 1)])]
     drafter = BlockDrafter(target, draft, size, compile)
-    drafts = drafter.draft(inputs)
+    drafts = drafter.draft(inputs, kept)
     for x, got in zip(inputs, drafts):
+        last = kept[x.forward][x.first_row + len(x.next_ids) - 1]
         with torch.no_grad():
-            alone = block_logits(target, draft, x.hidden[-1:], torch.tensor(x.next_ids[-1:]))[0].argmax(-1)
+            alone = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0].argmax(-1)
         assert got == alone.tolist()[:x.count]
     assert [len(d) for d in drafts] == [4, 0, size, 1]
     few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: eagerly only 4 slots reach the lm_head
-    assert drafter.draft(few) == [drafts[0], drafts[3]]
+    assert drafter.draft(few, kept) == [drafts[0], drafts[3]]
     assert (drafter.compiled is not None) == bool(compile)            # it did not fall back to eager drafting
 
 

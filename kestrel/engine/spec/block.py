@@ -48,13 +48,14 @@ class BlockDrafter:
         return block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1)
 
     @torch.inference_mode()
-    def draft(self, inputs: list[DraftInput]) -> list[list[int]]:
-        """Up to min(input.count, num_slots) draft tokens per input, from its last hidden state [D] and next id."""
+    def draft(self, inputs: list[DraftInput], kept: list[torch.Tensor]) -> list[list[int]]:
+        """Up to min(input.count, num_slots) draft tokens per input, from its last hidden state [D] (among the kept
+        hidden states) and next id."""
         drafts: list[list[int]] = [[] for _ in inputs]
         active = [i for i, x in enumerate(inputs) if x.count > 0]
         if not active:
             return drafts
-        hidden = torch.stack([inputs[i].hidden[-1] for i in active])
+        hidden = torch.stack([inputs[i].hidden(kept)[-1] for i in active])
         next_ids = torch.tensor([inputs[i].next_ids[-1] for i in active], device=self.device)
         tokens = self._compiled_tokens(hidden, next_ids) if self.compiled is not None else None
         if tokens is None:

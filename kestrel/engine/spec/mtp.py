@@ -24,17 +24,24 @@ from ...models.kimi import KimiForCausalLM
 from ..cache.page_table import PageTable
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftInput:
-    """One sequence's positions start..start+m-1 just computed by the target: their hidden states [m, D], the
-    tokens that followed them [m], and how far the sequence's pages reach (tokens)."""
+    """One sequence's positions start..start+m-1 just computed by the target: where their hidden states lie (rows
+    first_row.. of the forward-th of the hidden states kept since the last draft, ModelRunner.kept), the tokens
+    that followed them [m], and how far the sequence's pages reach (tokens). Plain data, so that every rank of a
+    distributed instance can draft from its own kept hidden states."""
 
     slot: int
     start: int
-    hidden: torch.Tensor
+    forward: int
+    first_row: int
     next_ids: list[int]
     capacity: int
     count: int                         # drafts wanted
+
+    def hidden(self, kept: list[torch.Tensor]) -> torch.Tensor:
+        """[m, D]: the hidden states of this input's positions, among the kept forwards' [T, D] hidden states."""
+        return kept[self.forward][self.first_row:self.first_row + len(self.next_ids)]
 
 
 class MTPDrafter:
@@ -45,15 +52,15 @@ class MTPDrafter:
         self.device = model.device
 
     @torch.inference_mode()
-    def draft(self, inputs: list[DraftInput]) -> list[list[int]]:
+    def draft(self, inputs: list[DraftInput], kept: list[torch.Tensor]) -> list[list[int]]:
         """Run the layer over every input's positions (its cache needs them even where no draft is wanted yet,
         as in a prompt's earlier chunks), then up to input.count draft tokens per input (fewer where its pages end
-        first)."""
+        first). kept: the hidden states the inputs point into."""
         drafts: list[list[int]] = [[] for _ in inputs]
         if not inputs:
             return drafts
         lengths = [len(x.next_ids) for x in inputs]
-        hidden = self._forward(inputs, [x.start for x in inputs], torch.cat([x.hidden for x in inputs]),
+        hidden = self._forward(inputs, [x.start for x in inputs], torch.cat([x.hidden(kept) for x in inputs]),
                                [t for x in inputs for t in x.next_ids], lengths)
         hidden = hidden[torch.tensor(list(itertools.accumulate(lengths)), device=self.device) - 1]    # last rows
         ends = [x.start + n for x, n in zip(inputs, lengths)]           # the position each next draft is read at

@@ -44,6 +44,11 @@ LEAF_BLOCK = 2
 """Score blocks of at most this many tokens (or of odd length) use the elementwise [s, s, K] decay form."""
 NEGLIGIBLE_LOG_DECAY = -30.0
 """Decay factors below exp(-30) (about 1e-13) inside a chunk count as exactly zero."""
+UNIT_LOG_DECAY = -2.0 ** -25
+"""Compiled, log decays above this (closer to zero) count as zero: float32's exp rounds them to one anyway, and
+inductor's vectorized exp takes such tiny inputs through subnormal numbers (its polynomial's powers), which CPUs
+compute up to 100x slower: the compiled chunk terms of a real 128-token prompt took 1.07 instead of 0.64 ms per
+layer (bundled model, one thread)."""
 NEGLIGIBLE = 1e-15
 """Entries of the chunk's coupling matrix A and of (I + A)^-1 below this magnitude count as zero."""
 
@@ -348,8 +353,12 @@ def _flush_negligible(x: torch.Tensor) -> torch.Tensor:
 
 
 def _decay(exponent: torch.Tensor) -> torch.Tensor:
-    """exp(exponent) for exponents <= 0, exactly zero below NEGLIGIBLE_LOG_DECAY."""
-    return torch.where(exponent > NEGLIGIBLE_LOG_DECAY, exponent, -math.inf).exp()
+    """exp(exponent) for exponents <= 0, exactly zero below NEGLIGIBLE_LOG_DECAY (and, compiled, exactly one above
+    UNIT_LOG_DECAY)."""
+    exponent = torch.where(exponent > NEGLIGIBLE_LOG_DECAY, exponent, -math.inf)
+    if torch.compiler.is_compiling():       # free there (fused); eagerly one more op, and aten's exp has no such cost
+        exponent = torch.where(exponent < UNIT_LOG_DECAY, exponent, 0.0)
+    return exponent.exp()
 
 
 def _carry_state(terms: IntraChunkTerms, state: torch.Tensor, layout: ChunkLayout, keep_leaving: bool

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
+from kestrel.ops import causal_conv1d
 from kestrel.ops.torch import kda as kda_ops
 from kestrel.ops.torch.kda import chunk_kda, recurrent_kda, recurrent_kda_uniform
 
@@ -309,3 +310,18 @@ def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch) -> N
     with kda_ops.compiled_chunk_terms("aot_eager"):
         o, _, _ = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"])
     assert o.requires_grad and compiled_calls == ["aot_eager", "aot_eager"]
+
+
+def test_a_layout_cached_under_inference_mode_serves_a_later_backward() -> None:
+    """chunk_kda's and causal_conv1d's row layouts are cached per batch shape; one first built while serving (in
+    inference mode) must still serve a training step's backward, which saves the index tensors."""
+    inputs = make_inputs([37, 90], initial_state=False, seed=3)
+    x = torch.randn(127, 6)
+    with torch.inference_mode():
+        chunk_kda(*sequence_inputs(inputs))
+        causal_conv1d(x, torch.randn(6, 4), inputs["cu_seqlens"])
+    q = inputs["q"].clone().requires_grad_()
+    chunk_kda(q, *sequence_inputs(inputs)[1:])[0].sum().backward()
+    x.requires_grad_()
+    causal_conv1d(x, torch.randn(6, 4), inputs["cu_seqlens"])[0].sum().backward()
+    assert q.grad.isfinite().all() and x.grad.isfinite().all()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
@@ -22,21 +24,35 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     n = cu_seqlens.numel() - 1
     if initial_state is None:
         initial_state = x.new_zeros(n, width - 1, channels)
-    if num_tokens == n and bool((cu_seqlens.diff() == 1).all()):    # decode: one token per sequence
+    bounds = tuple(cu_seqlens.tolist())
+    if num_tokens == n and all(b - a == 1 for a, b in zip(bounds, bounds[1:])):    # decode: one token per sequence
         return causal_conv1d_step(x, weight, initial_state)
+    stream_rows, window_rows, state_rows = _stream_layout(bounds, width, x.device)
     # Rows of `source`: every sequence's state rows first, then the new tokens.
     source = torch.cat([initial_state.reshape(n * (width - 1), channels).to(x.dtype), x])
-    lens = cu_seqlens.diff()
-    seq = torch.repeat_interleave(torch.arange(n, device=x.device), lens + width - 1)
-    stream_start = cu_seqlens[:-1] + torch.arange(n, device=x.device) * (width - 1)    # where each state begins
-    ext = torch.arange(seq.numel(), device=x.device) - stream_start[seq]               # position after the state
-    stream = source.index_select(0, _source_rows(seq, ext, cu_seqlens, width, n))
-    out = _depthwise_valid(stream.to(weight.dtype), weight)
-    is_token = ext >= width - 1
-    y = out.index_select(0, torch.nonzero(is_token).squeeze(1) - (width - 1)).to(x.dtype)
-    tail = lens.unsqueeze(1) + torch.arange(width - 1, device=x.device)                 # [N, W-1]
-    state_rows = _source_rows(torch.arange(n, device=x.device).unsqueeze(1), tail, cu_seqlens, width, n)
-    return y, source.index_select(0, state_rows.flatten()).view(n, width - 1, channels)
+    out = _depthwise_valid(source.index_select(0, stream_rows).to(weight.dtype), weight)
+    y = out.index_select(0, window_rows).to(x.dtype)
+    return y, source.index_select(0, state_rows).view(n, width - 1, channels)
+
+
+@lru_cache(maxsize=16)
+def _stream_layout(bounds: tuple[int, ...], width: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """causal_conv1d's rows for sequences delimited by bounds (cu_seqlens) and conv width W: the rows of `source`
+    (every sequence's W-1 state rows, then the T tokens) that form the stream [state_0, x_0, state_1, x_1, ...]
+    [T + N(W-1)], each token's row of the stream's valid convolution (its window's first row) [T], and the rows of
+    source holding each sequence's last W-1 inputs, state included [N(W-1)], all int64. Computed once per batch
+    (the KDA layers of a forward share it), as normal tensors even under inference mode (a later training step may
+    reuse them)."""
+    n, keep = len(bounds) - 1, width - 1
+    stream, windows, state = [], [], []
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        rows = [*range(i * keep, (i + 1) * keep), *range(n * keep + start, n * keep + end)]
+        windows += range(len(stream), len(stream) + end - start)
+        stream += rows
+        state += rows[len(rows) - keep:]
+    with torch.inference_mode(False):
+        return tuple(torch.tensor(rows, dtype=torch.int64, device=device) for rows in (stream, windows, state))
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,13 +74,6 @@ def _depthwise_valid(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for i in range(1, taps.shape[0]):
         out.addcmul_(x[i:i + rows], taps[i])
     return out
-
-
-def _source_rows(seq: torch.Tensor, ext: torch.Tensor, cu_seqlens: torch.Tensor, width: int, n: int) -> torch.Tensor:
-    """Row of `source` holding extended position ext (state first, then tokens) of sequence seq."""
-    from_state = seq * (width - 1) + ext
-    from_tokens = n * (width - 1) + cu_seqlens[seq] + ext - (width - 1)
-    return torch.where(ext < width - 1, from_state, from_tokens)
 
 
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor

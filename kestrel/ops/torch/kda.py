@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from functools import cache, reduce
+from functools import cache, lru_cache, reduce
 from itertools import accumulate
 
 import torch
@@ -70,7 +70,7 @@ class ChunkLayout:
     token_slot: torch.Tensor      # [T] int64: position of each token in the padded [num_chunks * chunk_size] buffer
     order: torch.Tensor           # [N] int64: sequence index at each rank
     rank: torch.Tensor            # [N] int64: rank of each sequence
-    active: list[int]             # per chunk step: how many sequences have a chunk there
+    active: tuple[int, ...]       # per chunk step: how many sequences have a chunk there
     full_chunks: torch.Tensor     # [F] int64: packed index of every full chunk, by sequence then position
 
 
@@ -93,7 +93,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     dtype = _compute_dtype(q, k, v, g, beta, initial_state)
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
     scale = key_dim ** -0.5 if scale is None else scale
-    layout = _chunk_layout(lengths, chunk_size, q.device)
+    layout = _chunk_layout(tuple(lengths), chunk_size, q.device)
     state = _initial_state(initial_state, (len(lengths), num_heads, key_dim, value_dim), dtype, q.device)
 
     q_c, k_c, v_c, g_c = (_to_chunks(x.to(dtype), layout) for x in (q, k, v, g))
@@ -387,14 +387,21 @@ def _carry_state(terms: IntraChunkTerms, state: torch.Tensor, layout: ChunkLayou
             torch.cat(leaving or [no_states]) if keep_leaving else None, state)
 
 
-def _chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> ChunkLayout:
-    """Packed chunk order for sequences of the given lengths (see ChunkLayout)."""
+@lru_cache(maxsize=16)
+def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """Packed chunk order for sequences of the given lengths (see ChunkLayout); computed once per batch (the KDA
+    layers of a forward share it), as normal tensors even under inference mode (a later training step may reuse it)."""
+    with torch.inference_mode(False):
+        return _build_chunk_layout(lengths, chunk_size, device)
+
+
+def _build_chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
     chunks_per_seq = [-(-length // chunk_size) for length in lengths]
     order = sorted(range(len(lengths)), key=lambda n: -chunks_per_seq[n])
     rank = [0] * len(lengths)
     for position, seq in enumerate(order):
         rank[seq] = position
-    active = [sum(1 for count in chunks_per_seq if count > step) for step in range(max(chunks_per_seq, default=0))]
+    active = tuple(sum(1 for count in chunks_per_seq if count > step) for step in range(max(chunks_per_seq, default=0)))
     step_offset = [0, *accumulate(active)][:-1]                               # first packed chunk of each step
 
     seq_of_token, pos_in_seq = _token_positions(lengths, device)

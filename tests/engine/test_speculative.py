@@ -311,3 +311,24 @@ def test_draft_tokens_count_against_the_step_budget(model_dir, plain, oracle, mo
     monkeypatch.setattr(scheduler, "schedule", counted)
     assert answers(llm, PROMPTS, greedy()) == answers(plain, PROMPTS, greedy())
     assert max(totals) == 7 and llm.engine.spec_stats.accepted_tokens > 0
+
+
+def test_a_failed_draft_fails_its_requests_and_the_engine_serves_on(model_dir, plain, monkeypatch):
+    """The MTP drafter raising once: the requests it drafted for end with an error naming it (nothing left
+    behind), and the next requests decode as plain greedy decoding does."""
+    llm = spec_llm(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2)
+    draft, calls = llm.engine.drafter.draft, []
+
+    def fails_once(inputs, kept):
+        calls.append(len(inputs))
+        if len(calls) == 1:
+            raise RuntimeError("draft boom")
+        return draft(inputs, kept)
+
+    monkeypatch.setattr(llm.engine.drafter, "draft", fails_once)
+    (failed,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(8))
+    assert failed.outputs[0].finish_reason == "error"
+    assert failed.outputs[0].stop_reason == "drafting failed: RuntimeError: draft boom"
+    assert_idle(llm.engine.scheduler)
+    assert answers(llm, PROMPTS, greedy(8)) == answers(plain, PROMPTS, greedy(8))
+    assert len(calls) > 2 and llm.engine.spec_stats.verifications > 0             # drafting went on

@@ -107,26 +107,34 @@ class RoutedExperts(nn.Module):
                 *lead, cols = shape
                 self.register_buffer(f"{name}_packed", torch.zeros(*lead, cols // 2, dtype=torch.uint8))
                 self.register_buffer(f"{name}_scale", torch.zeros(*lead, cols // 32, dtype=torch.uint8))
-                self.register_buffer(f"{name}_dense", None, persistent=False)
             else:
                 setattr(self, name, nn.Parameter(torch.zeros(shape)))
+        if self.mxfp4:
+            self.register_buffer("w13_dense", None, persistent=False)     # w1 then w3 [E, 2I, D]
+            self.register_buffer("w2_dense", None, persistent=False)
 
     def hold_dense_copy(self, dtype: torch.dtype | None) -> None:
-        """Compute from a dense copy of the packed experts in dtype (w1, w3 [E, I, D], w2 [E, D, I]; bfloat16 holds
-        every MXFP4 value exactly) instead of expanding packed tiles each call; None drops the copy. The copy is
-        taken now, so call this after loading weights; it moves with the module and is not saved."""
+        """Compute from a dense copy of the packed experts in dtype (w1 and w3 stacked as w13 [E, 2I, D], so that one
+        GEMM computes both; w2 [E, D, I]; bfloat16 holds every MXFP4 value exactly) instead of expanding packed
+        tiles each call; None drops the copy. The copy is taken now, so call this after loading weights; it moves
+        with the module and is not saved."""
         if not self.mxfp4:
             raise ValueError("these routed experts are already dense; only MXFP4 experts can hold a dense copy.")
-        for name in ("w1", "w3", "w2"):
-            copy = None if dtype is None else self._packed().dense(name, None, dtype)
-            self.register_buffer(f"{name}_dense", copy, persistent=False)
+        w13 = w2 = None
+        if dtype is not None:
+            packed = self._packed()
+            w13 = torch.cat([packed.dense("w1", None, dtype), packed.dense("w3", None, dtype)], dim=1)
+            w2 = packed.dense("w2", None, dtype)
+        self.register_buffer("w13_dense", w13, persistent=False)
+        self.register_buffer("w2_dense", w2, persistent=False)
 
     def weights(self) -> ExpertWeights:
         """The experts as the op takes them: the dense parameters, the held dense copy, or the packed buffers."""
         if not self.mxfp4:
             return ExpertWeights(self.w1, self.w3, self.w2)
-        if self.w1_dense is not None:
-            return ExpertWeights(self.w1_dense, self.w3_dense, self.w2_dense)
+        if self.w13_dense is not None:
+            w1, w3 = self.w13_dense.chunk(2, dim=1)
+            return ExpertWeights(w1, w3, self.w2_dense, w13=self.w13_dense)
         return self._packed()
 
     def _packed(self) -> ExpertWeights:
@@ -195,5 +203,5 @@ def hold_dense_experts(model: nn.Module, dtype: torch.dtype | None) -> int:
         if isinstance(module, RoutedExperts) and module.mxfp4:
             module.hold_dense_copy(dtype)
             if dtype is not None:
-                held += sum(getattr(module, f"{name}_dense").nbytes for name in ("w1", "w3", "w2"))
+                held += module.w13_dense.nbytes + module.w2_dense.nbytes
     return held

@@ -147,7 +147,8 @@ def test_held_dense_copies_compute_what_the_packed_experts_do() -> None:
         expected = packed(x)
         for dtype in (torch.bfloat16, torch.float32):
             packed.experts.hold_dense_copy(dtype)
-            assert packed.experts.weights().w1.dtype == dtype and not packed.experts.weights().mxfp4
+            held = packed.experts.weights()
+            assert held.w13.dtype == dtype and not held.mxfp4 and held.w1.data_ptr() == held.w13.data_ptr()
             torch.testing.assert_close(packed(x), expected, rtol=0, atol=0)
         packed.experts.hold_dense_copy(None)
         assert packed.experts.weights().mxfp4

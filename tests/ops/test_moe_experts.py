@@ -38,10 +38,16 @@ def per_token(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts
     return torch.stack(rows)
 
 
-def make_experts(mxfp4: bool, generator: torch.Generator, dim: int = DIM, inter: int = INTER) -> ExpertWeights:
+def make_experts(mxfp4: bool, generator: torch.Generator, dim: int = DIM, inter: int = INTER,
+                 fused: bool = False) -> ExpertWeights:
+    """Random experts: dense (with fused, w1 and w3 the halves of one w13, as a held dense copy stores them) or
+    MXFP4."""
     dense = [torch.randn(NUM_EXPERTS, inter, dim, generator=generator) * 0.1,
              torch.randn(NUM_EXPERTS, inter, dim, generator=generator) * 0.1,
              torch.randn(NUM_EXPERTS, dim, inter, generator=generator) * 0.1]
+    if fused:
+        w13 = torch.cat(dense[:2], 1)
+        return ExpertWeights(*w13.chunk(2, dim=1), dense[2], w13=w13)
     if not mxfp4:
         return ExpertWeights(*dense)
     packed, scales = zip(*(quantize_mxfp4(w) for w in dense))
@@ -59,21 +65,21 @@ def routing(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torc
 
 def grouped_custom_op(z, ids, weights, experts: ExpertWeights, activation: GLUActivation) -> torch.Tensor:
     """moe_experts as the custom op a compiled graph calls."""
-    tensors = [getattr(experts, name) for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")]
-    return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *tensors, activation.kind, activation.beta,
-                                                 activation.linear_beta, False)
+    return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *moe_module._tensors(experts), activation.kind,
+                                                 activation.beta, activation.linear_beta, False)
 
 
 PATHS = {"grouped": moe_experts, "by_pairs": moe_experts_by_pairs, "custom_op": grouped_custom_op}
+FORMS = {"dense": {"mxfp4": False}, "fused": {"mxfp4": False, "fused": True}, "mxfp4": {"mxfp4": True}}
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 64])
-@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_matches_the_per_token_formula(tokens: int, mxfp4: bool, activation: str, path: str) -> None:
+def test_matches_the_per_token_formula(tokens: int, form: str, activation: str, path: str) -> None:
     generator = torch.Generator().manual_seed(tokens)
-    experts = make_experts(mxfp4, generator)
+    experts = make_experts(generator=generator, **FORMS[form])
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
     expected = per_token(z, ids, weights, experts, ACTIVATIONS[activation])
@@ -82,15 +88,15 @@ def test_matches_the_per_token_formula(tokens: int, mxfp4: bool, activation: str
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_the_custom_op_is_registered_soundly(mxfp4: bool) -> None:
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_custom_op_is_registered_soundly(form: str) -> None:
     """torch.library.opcheck: the custom op's schema, fake (shape-only) implementation and dispatch agree."""
     generator = torch.Generator().manual_seed(1)
-    experts = make_experts(mxfp4, generator)
+    experts = make_experts(generator=generator, **FORMS[form])
     ids, weights = routing(5, generator)
-    tensors = [getattr(experts, name) for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale")]
     torch.library.opcheck(torch.ops.kestrel.moe_experts_grouped.default,
-                          (torch.randn(5, DIM, generator=generator), ids, weights, *tensors, "situ", 4.0, 25.0, False))
+                          (torch.randn(5, DIM, generator=generator), ids, weights, *moe_module._tensors(experts),
+                           "situ", 4.0, 25.0, False))
 
 
 def test_no_tokens() -> None:

@@ -68,9 +68,10 @@ def expand_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 class ExpertWeights:
     """Stacked routed experts (E experts, D model or latent width, I intermediate width).
 
-    Dense: w1, w3 [E, I, D] and w2 [E, D, I] in a float dtype, scales None. MXFP4: w1, w3 [E, I, D/2] and
-    w2 [E, D, I/2] packed uint8 (two E2M1 codes per byte along the input dim, kestrel.quant.mxfp4's layout) with
-    E8M0 scales w1_scale, w3_scale [E, I, D/32] and w2_scale [E, D, I/32] uint8.
+    Dense: w1, w3 [E, I, D] and w2 [E, D, I] in a float dtype, scales None; w13 [E, 2I, D] when w1 and w3 are its
+    two halves (a held dense copy stores them so: one GEMM then computes the gate and up projections). MXFP4: w1,
+    w3 [E, I, D/2] and w2 [E, D, I/2] packed uint8 (two E2M1 codes per byte along the input dim,
+    kestrel.quant.mxfp4's layout) with E8M0 scales w1_scale, w3_scale [E, I, D/32] and w2_scale [E, D, I/32] uint8.
     """
 
     w1: torch.Tensor
@@ -79,6 +80,7 @@ class ExpertWeights:
     w1_scale: torch.Tensor | None = None
     w3_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    w13: torch.Tensor | None = None
 
     @property
     def mxfp4(self) -> bool:
@@ -89,9 +91,9 @@ class ExpertWeights:
         return self.w1.shape[0]
 
     def dense(self, name: str, expert: int | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Weight `name` (w1, w3 or w2) in dtype: expert `expert`'s [out, in], the experts listed in an int64 tensor
-        [P] ([P, out, in]), or all experts' [E, out, in] when expert is None. Dense weights of one expert or all,
-        already in dtype, are returned in place (a view); MXFP4 ones are expanded."""
+        """Weight `name` (w1, w3, w2, or w13 when set) in dtype: expert `expert`'s [out, in], the experts listed in
+        an int64 tensor [P] ([P, out, in]), or all experts' [E, out, in] when expert is None. Dense weights of one
+        expert or all, already in dtype, are returned in place (a view); MXFP4 ones are expanded."""
         weight = getattr(self, name)
         if not self.mxfp4:
             return (weight if expert is None else weight[expert]).to(dtype)
@@ -143,7 +145,10 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     tokens = order // ids.shape[1]                           # each sorted pair's token
     counts = torch.bincount(pairs, minlength=experts.num_experts).tolist()
     x = quantize(z.index_select(0, tokens))                  # [P, D]: each expert's rows one contiguous slice
-    gate, up = (_per_expert(x, counts, experts, name) for name in ("w1", "w3"))
+    if experts.w13 is not None:
+        gate, up = _per_expert(x, counts, experts, "w13").chunk(2, dim=-1)
+    else:
+        gate, up = (_per_expert(x, counts, experts, name) for name in ("w1", "w3"))
     y = _per_expert(quantize(activation(gate, up)), counts, experts, "w2")
     scaled = y.float() * weights.flatten().index_select(0, order).unsqueeze(-1)
     return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, tokens, scaled).to(z.dtype)
@@ -151,7 +156,7 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
 
 def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name: str) -> torch.Tensor:
     """x [P, in], rows grouped by expert in expert order, counts[e] of expert e -> [P, out]: each group times its
-    expert's weight `name` (transposed), in x's dtype.
+    expert's weight `name` (w1, w3, w13 or w2; transposed), in x's dtype.
 
     Dense weights already in x's dtype go to one grouped GEMM over all experts in place (torch._grouped_mm; an
     expert without rows is an empty group) when more than a quarter of the experts are in use, unless a gradient
@@ -198,19 +203,19 @@ def _pairs_read_less(pairs: int, experts: ExpertWeights, dtype: torch.dtype) -> 
 
 def _tensors(experts: ExpertWeights) -> list[torch.Tensor | None]:
     """The experts' tensors in the custom op's argument order."""
-    return [experts.w1, experts.w3, experts.w2, experts.w1_scale, experts.w3_scale, experts.w2_scale]
+    return [experts.w1, experts.w3, experts.w2, experts.w1_scale, experts.w3_scale, experts.w2_scale, experts.w13]
 
 
 @torch.library.custom_op("kestrel::moe_experts_grouped", mutates_args=())
 def _moe_experts_grouped(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                          w3: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None,
-                         w3_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, kind: str, beta: float,
-                         linear_beta: float, mxfp8_activations: bool) -> torch.Tensor:
+                         w3_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, w13: torch.Tensor | None,
+                         kind: str, beta: float, linear_beta: float, mxfp8_activations: bool) -> torch.Tensor:
     """moe_experts as one op a compiled graph calls without tracing it (it reads its grouping on the host)."""
-    experts = ExpertWeights(w1, w3, w2, w1_scale, w3_scale, w2_scale)
+    experts = ExpertWeights(w1, w3, w2, w1_scale, w3_scale, w2_scale, w13)
     return moe_experts(z, ids, weights, experts, GLUActivation(kind, beta, linear_beta), mxfp8_activations)
 
 
 @_moe_experts_grouped.register_fake
-def _(z, ids, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, kind, beta, linear_beta, mxfp8_activations):
+def _(z, ids, weights, w1, w3, w2, w1_scale, w3_scale, w2_scale, w13, kind, beta, linear_beta, mxfp8_activations):
     return torch.empty_like(z)

@@ -73,9 +73,6 @@ class ParallelLayout:
             for bad, flag in refused:
                 if bad:
                     raise ValueError(f"DP attention does not run with {flag} yet; drop one of them.")
-        if args.pp_size > 1 and args.speculative_algorithm in ("NEXTN", "DFLASH"):
-            raise ValueError("drafters that read the target's hidden states do not run over pipeline stages yet; "
-                             "drop --pp-size or use --speculative-algorithm NGRAM or STANDALONE.")
         if args.dcp_size > 1 and args.page_size % args.dcp_size:
             raise ValueError(f"--page-size {args.page_size} must be a multiple of --dcp-size {args.dcp_size} (each "
                              "rank holds page_size / dcp_size tokens of every page).")

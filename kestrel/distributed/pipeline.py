@@ -1,5 +1,6 @@
-"""Traffic between pipeline stages: each micro-batch's residual stream from a stage to the next, and the logits from
-the last stage back to rank 0, by point-to-point sends on the default group (NCCL on CUDA, gloo on the CPU).
+"""Traffic between pipeline stages: each micro-batch's residual stream from a stage to the next, and the logits (and a
+model drafter's drafts) from the last stage back to rank 0, by point-to-point sends on the default group (NCCL on
+CUDA, gloo on the CPU).
 
 Every rank of a stage sends to the rank of the next stage with its place in the TP group (the stream is the same on
 all of them), so the TP groups never gather. A step is cut into micro-batches of whole sequences: stage s works on
@@ -18,6 +19,8 @@ from .layout import ParallelLayout
 
 LOGITS_TAG = 1 << 20
 """Tags of logits messages start here (stream messages are tagged by their micro-batch)."""
+DRAFTS_TAG = 1 << 21
+"""The tag of drafts messages."""
 
 
 class StageLink:
@@ -47,6 +50,17 @@ class StageLink:
         """Rank 0: micro-batch's logits from the last stage."""
         return self._recv((rows, vocab), torch.float32, device, self.layout.with_rank(0).stage_rank(
             self.layout.pp_size - 1), LOGITS_TAG + micro_batch)
+
+    def send_drafts(self, drafts: list[list[int]], width: int, device: torch.device) -> None:
+        """The last stage's first TP rank: a step's drafts (at most width per sequence) to rank 0."""
+        table = torch.tensor([draft + [-1] * (width - len(draft)) for draft in drafts], device=device)
+        self._send(table, 0, DRAFTS_TAG, "drafts")
+
+    def recv_drafts(self, rows: int, width: int, device: torch.device) -> list[list[int]]:
+        """Rank 0: the step's drafts for `rows` sequences, at most width each, from the last stage."""
+        table = self._recv((rows, width), torch.long, device,
+                           self.layout.with_rank(0).stage_rank(self.layout.pp_size - 1), DRAFTS_TAG)
+        return [[t for t in row if t >= 0] for row in table.tolist()]
 
     def wait(self) -> None:
         """Block until every send has left."""

@@ -17,7 +17,7 @@ import torch
 
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
-from .args import EngineArgs
+from .args import MODEL_DRAFTERS, EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
@@ -71,7 +71,7 @@ class LLMEngine:
         if args.enable_torch_compile and not compiled:
             log.info("decode: --enable-torch-compile compiles CPU decode steps; on %s, CUDA graphs replay them",
                      device.type)
-        if graphs and args.speculative_algorithm in ("NEXTN", "DFLASH"):
+        if graphs and args.speculative_algorithm in MODEL_DRAFTERS:
             graphs = False
             log.info("decode: CUDA graphs are not used with model drafters yet (a graph hands back no hidden states, "
                      "and verifications would need static per-token state buffers)")

@@ -31,6 +31,7 @@ from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 from .spec.block import BlockDrafter
 from .spec.mtp import DraftInput, MTPDrafter
+from .spec.staged import StagedDrafter
 
 T = TypeVar("T")
 
@@ -71,7 +72,8 @@ class Save:
 @dataclass(frozen=True)
 class Draft:
     """Draft on every rank from the hidden states kept since the last Draft (a model drafter's layers, embedding
-    and LM head are sharded like the model's, so all ranks run it together), then drop them."""
+    and LM head are sharded like the model's, so all ranks run it together; under pipeline stages, the last stage's
+    ranks: spec.staged), then drop them."""
 
     inputs: list[DraftInput]
 
@@ -108,7 +110,7 @@ class ModelRunner:
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
                  decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
                  other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None,
-                 drafter: MTPDrafter | BlockDrafter | None = None):
+                 drafter: MTPDrafter | BlockDrafter | StagedDrafter | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table
@@ -218,7 +220,8 @@ class ModelRunner:
     def _execute_stages(self, step: Step) -> list[torch.Tensor | None]:
         """This stage's share of step, micro-batch by micro-batch: the first stage embeds, the others receive the
         stream from the previous stage; all but the last send theirs on; the last computes the logits, which its
-        first TP rank sends to rank 0. Rank 0 returns them (the other ranks, Nones)."""
+        first TP rank sends to rank 0 (and keeps every token's final hidden state for a model drafter, which drafts
+        there: spec.staged). Rank 0 returns them (the other ranks, Nones)."""
         model, link, layout = self.model.model, self.link, self.link.layout
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
         # a verification runs whole: the KDA token states it keeps are indexed by the step's tokens
@@ -226,6 +229,7 @@ class ModelRunner:
         firsts = [0] + torch.tensor(step.lengths).cumsum(0).tolist()      # each chunk's first token in the step
         wanted = self._logit_rows(step)
         rows_of = [{i: r for i, r in wanted.items() if i in chunks} for chunks in parts]
+        hidden = []         # the last stage's final hidden states per micro-batch, for a model drafter
         for m, chunks in enumerate(parts):
             batch = self._batch(step, chunks)
             first = firsts[chunks.start]
@@ -240,11 +244,15 @@ class ModelRunner:
                 link.send_next(stream, m)
                 continue
             rows = rows_of[m]
+            finished = model.finish(stream) if rows or self.drafter is not None else None
+            if self.drafter is not None:
+                hidden.append(finished)
             if rows:       # every TP rank of the stage computes them (the vocabulary is gathered), the first sends
-                logits = self.model.compute_logits(model.finish(stream)[torch.cat(list(rows.values())) - first])
+                logits = self.model.compute_logits(finished[torch.cat(list(rows.values())) - first])
                 if layout.tp_rank == 0:
                     link.send_logits(logits, m)
         link.wait()
+        self._keep(torch.cat(hidden) if hidden else None)
         if layout.rank == 0:
             for m, rows in enumerate(rows_of):
                 if rows:
@@ -255,7 +263,8 @@ class ModelRunner:
         return out
 
     def _keep(self, hidden: torch.Tensor | None) -> None:
-        """Keep a forward's final hidden states [T, D] for the next draft (with a model drafter)."""
+        """Keep a forward's final hidden states [T, D] for the next draft (with a model drafter; None on pipeline
+        stages before the last, which only count the forwards)."""
         if self.drafter is not None:
             self.kept.append(hidden)
 

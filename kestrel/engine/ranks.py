@@ -24,18 +24,20 @@ from ..distributed.launch import (RankSpec, Workers, init_process_groups, rank_d
                                   this_process_spec, torchrun_spec)
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import Parallel
+from ..distributed.pipeline import StageLink
 from ..layers.cache import HybridCache
 from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
 from ..models.kimi import KimiForCausalLM
-from .args import DTYPES, KV_DTYPES, SSM_DTYPES, EngineArgs
+from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
 from .model_runner import Draft, ModelRunner, Save
 from .spec.block import BlockDrafter
 from .spec.mtp import MTPDrafter
+from .spec.staged import StagedDrafter
 
 log = logging.getLogger("kestrel")
 
@@ -63,7 +65,10 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     """Load this rank's model shard, plan its pools and allocate them (all ranks call this together). With graphs
     (decode by CUDA graphs), the pools get one scratch slot and page beyond the plan."""
     args.apply_backends()
-    model = load_model(Path(args.model), None if args.dtype == "auto" else DTYPES[args.dtype], device, par)
+    layout = par.layout
+    model_drafts = args.speculative_algorithm in MODEL_DRAFTERS
+    model = load_model(Path(args.model), None if args.dtype == "auto" else DTYPES[args.dtype], device, par,
+                       embed_last_stage=model_drafts)
     config = model.config
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)
@@ -73,19 +78,20 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
     weights = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
     draft = None
-    if args.speculative_algorithm == "DFLASH":
+    if args.speculative_algorithm == "DFLASH" and layout.last_stage:     # it drafts where the hidden states are
         draft = load_block_draft(args.speculative_draft_model_path, dtype, device)
-    elif args.speculative_algorithm == "STANDALONE" and par.layout.rank == 0:    # it drafts in rank 0's process
+    elif args.speculative_algorithm == "STANDALONE" and layout.rank == 0:    # it drafts in rank 0's process
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
     if draft is not None:
         weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}
     draft_config = draft.config if isinstance(draft, KimiForCausalLM) else None
-    cache_config = par.layout.cache_config(config)
-    mtp_layers = 1 if args.speculative_algorithm == "NEXTN" else 0     # the MTP drafter's layer caches latents too
+    cache_config = layout.cache_config(config)
+    # the MTP drafter's layer (on the last stage) caches latents too
+    mtp_layers = 1 if args.speculative_algorithm == "NEXTN" and layout.last_stage else 0
 
     memory = device_memory(device)
     if device.type == "cpu":        # the ranks on one machine share its memory
-        memory //= ranks_on_node(par.layout.world_size, args.nnodes)
+        memory //= ranks_on_node(layout.world_size, args.nnodes)
 
     def plan(engine_args: EngineArgs) -> MemoryPlan:
         return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
@@ -93,19 +99,19 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
 
     args = args.dp_group_args()
     memory_plan = plan(args)
-    prefix = f"rank {par.layout.rank}: " if control is not None else ""
+    prefix = f"rank {layout.rank}: " if control is not None else ""
     log.info("%s%s", prefix, memory_plan.describe())
     if control is not None:
         slots, pages = agree_min([memory_plan.num_slots, memory_plan.num_pages], control)
         memory_plan = plan(dataclasses.replace(args, max_mamba_cache_size=slots,
                                                max_total_tokens=pages * args.page_size))
         log.info("%spools agreed by all %d ranks (each takes the smallest): %d state slots, %d KV pages", prefix,
-                 par.layout.world_size, slots, pages)
+                 layout.world_size, slots, pages)
     scratch = 1 if graphs else 0      # a state slot and a page, beyond the pools, for graph batches' padding
     slots, pages = memory_plan.num_slots, memory_plan.num_pages
     try:
         cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
-                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, par.layout.dcp_size)
+                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, layout.dcp_size)
         draft_cache = None if draft_config is None else HybridCache.allocate(
             draft_config, slots + scratch, pages + scratch, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, device)
     except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
@@ -115,23 +121,30 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
-    handoff_cache = cache if par.layout.world_size == 1 else HybridCache.allocate(
+    handoff_cache = cache if layout.world_size == 1 else HybridCache.allocate(
         config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta")
     return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache)
 
 
 def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
-                  ) -> MTPDrafter | BlockDrafter | None:
+                  ) -> MTPDrafter | BlockDrafter | StagedDrafter | None:
     """The drafter that reads the target's hidden states, on this rank's shard: NEXTN's MTP layers or DFLASH's
-    block draft (compiled by the torch.compile backend `compile`, if any); None for the other algorithms."""
-    if args.speculative_algorithm == "NEXTN":
-        if not shard.model.config.num_nextn_predict_layers:
-            raise ValueError(f"--speculative-algorithm NEXTN drafts with the model's MTP layers, and {args.model} "
-                             "has none.")
-        return MTPDrafter(shard.model, shard.cache, shard.page_table)
-    if args.speculative_algorithm == "DFLASH":
-        return BlockDrafter(shard.model, shard.draft, args.speculative_num_draft_tokens, compile)
-    return None
+    block draft (compiled by the torch.compile backend `compile`, if any), which under pipeline stages draft on the
+    last stage (spec.staged); None for the other algorithms."""
+    if args.speculative_algorithm not in MODEL_DRAFTERS:
+        return None
+    model, layout = shard.model, shard.model.par.layout
+    if args.speculative_algorithm == "NEXTN" and not model.config.num_nextn_predict_layers:
+        raise ValueError(f"--speculative-algorithm NEXTN drafts with the model's MTP layers, and {args.model} "
+                         "has none.")
+    local = None
+    if layout.last_stage and args.speculative_algorithm == "NEXTN":
+        local = MTPDrafter(model, shard.cache, shard.page_table)
+    elif layout.last_stage:
+        local = BlockDrafter(model, shard.draft, args.speculative_num_draft_tokens, compile)
+    if layout.pp_size == 1:
+        return local
+    return StagedDrafter(local, StageLink(layout, model.par.via_host), model.device)
 
 
 def _load_draft_model(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> KimiForCausalLM:

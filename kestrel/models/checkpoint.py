@@ -83,9 +83,10 @@ def _a_log_shape(config: ModelConfig) -> tuple[int, ...]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-               par: Parallel = SINGLE, **config_overrides) -> KimiForCausalLM:
+               par: Parallel = SINGLE, embed_last_stage: bool = False, **config_overrides) -> KimiForCausalLM:
     """Load the model folder `path` (config.json plus safetensors, sharded or not) in eval mode; with `par`, this
-    tensor-parallel rank's share of it.
+    tensor-parallel rank's share of it (embed_last_stage: the last pipeline stage holds the embedding too, for model
+    drafters).
 
     Tensors are read one at a time straight into the model's preallocated parameters, so the weights are never
     held twice. dtype defaults to the config's `dtype` / `torch_dtype` (bfloat16 if absent); tensors stored in
@@ -99,7 +100,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch
         config = dataclasses.replace(config, index_k_norm_bias=True)   # the checkpoint decides (config.py)
     par.layout.check_model(config)
     dtype = dtype or _config_dtype(folder)
-    model = build_model(config, dtype, device="meta", par=par)
+    model = build_model(config, dtype, device="meta", par=par, embed_last_stage=embed_last_stage)
     whole = model if par.layout.pp_size == 1 else build_model(config, dtype, device="meta")
     targets = _match(headers, checkpoint_layout(whole), config.kda_num_heads)    # the whole checkpoint is checked
     if whole is not model:            # a pipeline stage reads its own layers' tensors only
@@ -138,14 +139,16 @@ def _load_slice(f, name: str, param: torch.Tensor, target: Target, slices: tuple
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu", par: Parallel = SINGLE) -> KimiForCausalLM:
+                device: torch.device | str = "cpu", par: Parallel = SINGLE, embed_last_stage: bool = False
+                ) -> KimiForCausalLM:
     """A model of `config` with uninitialised weights in dtype (the family's fp32 tensors stay fp32); with a `par`
-    of several ranks, its modules are one rank's, still at full size (see kestrel.distributed.sharding)."""
+    of several ranks, its modules are one rank's, still at full size (see kestrel.distributed.sharding;
+    embed_last_stage: see kestrel.models.kimi)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return KimiForCausalLM(config, par)
+            return KimiForCausalLM(config, par, embed_last_stage)
     finally:
         torch.set_default_dtype(previous)
 

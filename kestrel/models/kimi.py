@@ -21,7 +21,8 @@ gathers the groups' outputs (`DecoderLayer.attention`).
 
 Under pipeline parallelism a rank builds only its stage's layers (the others are `AbsentLayer`s, so every layer
 keeps its checkpoint name and index), the embedding on the first stage, the final norm, LM head and MTP layers on
-the last. A stage runs `run_layers` on the residual stream [n, T, D] it receives: the AttnRes block summaries
+the last (and a copy of the embedding there too with `embed_last_stage`, for the drafters that run on the last
+stage: the MTP layers and block drafts embed the tokens they draft from). A stage runs `run_layers` on the residual stream [n, T, D] it receives: the AttnRes block summaries
 finished so far and the running partial sum (n = 1, the hidden states, without AttnRes), so
 
     hidden = model.model.finish(model.model.run_layers(model.model.start(input_ids), batch, cache))
@@ -141,7 +142,7 @@ class KimiTextModel(nn.Module):
     """`model.*`: embeddings, the decoder layers (MTP layers last), final norm, AttnRes output mix; under pipeline
     parallelism only those of par's stage (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
+    def __init__(self, config: ModelConfig, par: Parallel = SINGLE, embed_last_stage: bool = False):
         super().__init__()
         self.config = config
         layout = par.layout
@@ -149,7 +150,7 @@ class KimiTextModel(nn.Module):
         self.first_stage, self.last_stage = layout.first_stage, layout.last_stage
         d = config.hidden_size
         attn_res = config.attn_res_block_size is not None
-        if self.first_stage or (self.last_stage and config.tie_word_embeddings):
+        if self.first_stage or (self.last_stage and (config.tie_word_embeddings or embed_last_stage)):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d, par.attn)
         layers: list[nn.Module] = []
         counts = {KDA: 0, MLA: 0}           # the stage's own caches: cache indices count its layers only
@@ -226,13 +227,14 @@ class KimiTextModel(nn.Module):
 
 
 class KimiForCausalLM(nn.Module):
-    """The causal LM: `model.*` and `lm_head`; with `par`, one tensor-parallel rank's share of it."""
+    """The causal LM: `model.*` and `lm_head`; with `par`, one tensor-parallel rank's share of it (embed_last_stage:
+    see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, par: Parallel = SINGLE):
+    def __init__(self, config: ModelConfig, par: Parallel = SINGLE, embed_last_stage: bool = False):
         super().__init__()
         self.config = config
         self.par = par
-        self.model = KimiTextModel(config, par)
+        self.model = KimiTextModel(config, par, embed_last_stage)
         if self.model.last_stage:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
             if config.tie_word_embeddings:

@@ -106,22 +106,38 @@ def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_reque
         os.kill(worker.pid, 0)
 
 
-@pytest.mark.parametrize("algorithm,layout", [("NEXTN", {"dcp_size": 2}), ("DFLASH", {})])
-def test_model_drafters_at_tp2_draft_what_one_process_drafts(expected, algorithm, layout):
-    """NEXTN (the MTP layer, its attention cache split by position under DCP2) and DFLASH (the block draft) at TP2:
-    every rank drafts from its own kept hidden states through the sharded embedding, layers and LM heads; greedy
-    tokens equal one process's plain ones, and the drafts one process's with the same drafter (equal counts)."""
+def drafting(algorithm: str) -> dict:
     spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3, **ARGS)
     if algorithm == "DFLASH":
         spec["speculative_draft_model_path"] = str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")
-    one = LLM(str(BUNDLED_MODEL), **spec)
-    assert tokens(one) == expected
-    llm = LLM(str(BUNDLED_MODEL), tp_size=2, **layout, **spec)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def one_process_acceptance(expected) -> dict[str, list[int]]:
+    """Per model drafter: one process's acceptance histogram over PROMPTS (its greedy tokens checked)."""
+    histograms = {}
+    for algorithm in ("NEXTN", "DFLASH"):
+        one = LLM(str(BUNDLED_MODEL), **drafting(algorithm))
+        assert tokens(one) == expected
+        histograms[algorithm] = one.engine.spec_stats.accepted_histogram
+    return histograms
+
+
+@pytest.mark.parametrize("algorithm,layout", [("NEXTN", {"tp_size": 2, "dcp_size": 2}), ("DFLASH", {"tp_size": 2}),
+                                              ("NEXTN", {"pp_size": 2}), ("DFLASH", {"pp_size": 2})])
+def test_model_drafters_distributed_draft_what_one_process_drafts(expected, one_process_acceptance, algorithm,
+                                                                   layout):
+    """NEXTN (the MTP layer, its attention cache split by position under DCP2) and DFLASH (the block draft) at TP2:
+    every rank drafts from its own kept hidden states through the sharded embedding, layers and LM heads; over two
+    pipeline stages the last stage drafts (with its copy of the embedding) and sends rank 0 the drafts. Greedy
+    tokens equal one process's plain ones, and the drafts one process's with the same drafter (equal counts)."""
+    llm = LLM(str(BUNDLED_MODEL), **layout, **drafting(algorithm))
     try:
         assert tokens(llm) == expected
-        stats, alone = llm.engine.spec_stats, one.engine.spec_stats
+        stats = llm.engine.spec_stats
         assert stats.accepted_tokens > 0
-        assert stats.accepted_histogram == alone.accepted_histogram
+        assert stats.accepted_histogram == one_process_acceptance[algorithm]
     finally:
         llm.engine.shutdown()
     assert not multiprocessing.active_children()

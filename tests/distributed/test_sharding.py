@@ -75,8 +75,7 @@ def test_layouts_kestrel_cannot_run_are_refused():
     ({"dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NGRAM"},
      "DP attention does not run with --speculative-algorithm"),
     ({"dcp_size": 4}, r"dcp_size \(4\) must divide the attention TP size \(2\)"),
-    ({"dcp_size": 2, "page_size": 3}, "must be a multiple of --dcp-size 2"), ({"nnodes": 2}, "needs --dist-init-addr"),
-    ({"pp_size": 2, "speculative_algorithm": "NEXTN"}, "hidden states do not run over pipeline stages")])
+    ({"dcp_size": 2, "page_size": 3}, "must be a multiple of --dcp-size 2"), ({"nnodes": 2}, "needs --dist-init-addr")])
 def test_engine_refuses_parallelism_it_does_not_implement(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(BUNDLED_MODEL), tp_size=2, **kwargs)

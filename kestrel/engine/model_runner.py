@@ -51,6 +51,7 @@ class Step:
     samples: list[int]         # chunks that need logits at their last position
     verify: bool = False       # a speculative verification: KDA keeps every token's state (ForwardBatch)
     groups: tuple[int, ...] = ()   # DP attention: chunks of each DP group (they come group by group)
+    captures: tuple[tuple[int, int, int], ...] = ()   # (chunk, offset, state slot): see ScheduledChunk.capture
 
     def group_chunks(self, group: int) -> range:
         """The chunks of DP group `group` (all of them without DP attention)."""
@@ -141,7 +142,8 @@ class ModelRunner:
                     [t for c in chunks for t in c.token_ids()],
                     [c.start for c in chunks], [c.length for c in chunks], [c.seq.slot for c in chunks],
                     max(len(c.seq.pages) for c in chunks), sorted(all_rows),
-                    [i for i, c in enumerate(chunks) if c.samples], verify, groups)
+                    [i for i, c in enumerate(chunks) if c.samples], verify, groups,
+                    tuple((i, *c.capture) for i, c in enumerate(chunks) if c.capture is not None))
         graphs, q = self.decode_graphs, chunks[0].length
         if (graphs is not None and all(c.length == q for c in chunks) and graphs.fits(len(chunks), step.width, q)
                 and (verify if q > 1 else not all_rows)):
@@ -271,9 +273,10 @@ class ModelRunner:
     def _batch(self, step: Step, chunks: range) -> ForwardBatch:
         """The ForwardBatch of step's chunks (a contiguous run of them)."""
         slots = torch.tensor(step.slots[chunks.start:chunks.stop], dtype=torch.long, device=self.device)
+        captures = [(i - chunks.start, offset, slot) for i, offset, slot in step.captures if i in chunks]
         return ForwardBatch.build(step.lengths[chunks.start:chunks.stop], step.starts[chunks.start:chunks.stop],
                                   slots, self.page_table.gather(slots, step.width), self.cache.page_size,
-                                  self.device, keep_token_states=step.verify)
+                                  self.device, keep_token_states=step.verify, captures=captures)
 
     def _logit_rows(self, step: Step) -> dict[int, torch.Tensor]:
         """Chunk index -> the rows of step's tokens whose logits it needs (every position for all_rows, the last

@@ -76,6 +76,7 @@ class Sequence:
     cache_node: Node | None = None        # prefix cache: the node of its last page in the tree (it holds a lock)
     cached_pages: int = 0                 # its first cached_pages pages are in the tree
     last_snapshot: int = 0                # tokens computed at its last state snapshot
+    capture_slot: int | None = None       # the slot its running step saves its cache point's state into
     prefilled: Handoff | None = None      # PD decode side: the prompt's state, loaded when it is admitted
     draft: tuple[int, ...] = ()           # speculative tokens proposed for its next step
     dp_group: int = 0                     # DP attention: the DP group whose pools hold it (DPScheduler)

@@ -11,8 +11,9 @@ sequence of up to the context length fits the KV pool, so nothing deadlocks.
 
 With a prefix cache (radix.py), a sequence starts after the longest cached prefix of its tokens that ends at a
 state snapshot, and its pages go into the tree as they fill. Its state is saved at the request's cache point (by default
-before the prompt's last token; for a chat, where its messages end: the prefill stops there for it, then computes
-the rest of the prompt in a step of its own) and when it finishes ("no_buffer"); with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
+before the prompt's last token; for a chat, where its messages end: the chunk that runs past that point saves the
+KDA state there on the way, into a slot of its own, ScheduledChunk.capture) and when it finishes ("no_buffer");
+with "extra_buffer" also after every prefill chunk that ends on a page boundary, and at the first
 page boundary track_interval decode tokens after the last snapshot. What only the cache holds is evicted (least
 recently used) before a request is refused or preempted.
 """
@@ -38,6 +39,8 @@ class ScheduledChunk:
     start: int
     length: int
     draft: tuple[int, ...] = ()
+    capture: tuple[int, int] | None = None     # (offset, slot): a prompt chunk that runs past its request's cache
+                                               # point saves the KDA state there, after offset tokens, into slot
 
     @property
     def samples(self) -> bool:
@@ -108,7 +111,8 @@ class Scheduler:
             draft, seq.draft = (seq.draft[:budget - length] if decoding else ()), ()
             if not self._grow(seq, length + len(draft), protected=scheduled):
                 continue
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
+            length, capture = self._capture(seq, length)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft, capture))
             scheduled.add(seq)
             budget -= length + len(draft)
         self.waiting.sort(key=lambda s: s.priority_key)
@@ -117,7 +121,8 @@ class Scheduler:
             if not length:
                 break
             seq = self.waiting.pop(0)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            length, capture = self._capture(seq, length)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length, capture=capture))
             budget -= length
         return chunks
 
@@ -126,6 +131,10 @@ class Scheduler:
         and its state too where the strategy takes a snapshot."""
         if seq.cache_node is None:
             return
+        if seq.capture_slot is not None:         # the step saved the state at the cache point
+            self._insert_pages(seq, seq.request.cache_point)
+            self._snapshot(seq, seq.capture_slot)
+            seq.capture_slot = None
         self._insert_pages(seq)
         computed, prompt = seq.num_computed, len(seq.request.prompt_ids)
         at_cache_point = computed == seq.request.cache_point > 0
@@ -133,9 +142,11 @@ class Scheduler:
         if at_cache_point or (aligned and (computed < prompt or computed - seq.last_snapshot >= self.track_interval)):
             self._snapshot(seq)
 
-    def _insert_pages(self, seq: Sequence) -> None:
-        """Put seq's full pages of computed tokens that are not in the prefix cache yet into it."""
-        full, page_size = seq.num_computed // self.kv_pool.page_size, self.kv_pool.page_size
+    def _insert_pages(self, seq: Sequence, end: int | None = None) -> None:
+        """Put seq's full pages of computed tokens (of its first `end` tokens) that are not in the prefix cache yet
+        into it."""
+        page_size = self.kv_pool.page_size
+        full = (seq.num_computed if end is None else end) // page_size
         if full > seq.cached_pages:
             node = self.prefix_cache.insert(seq.cache_node, seq.tokens(seq.cached_pages * page_size, full * page_size),
                                             seq.pages[seq.cached_pages:full])
@@ -150,11 +161,17 @@ class Scheduler:
         self.kv_pool.free(seq.pages[keep:])
         del seq.pages[keep:]
 
-    def _snapshot(self, seq: Sequence) -> None:
+    def _snapshot(self, seq: Sequence, captured: int | None = None) -> None:
+        """Save seq's state after its computed tokens in the prefix cache (copied from its slot); or, with
+        captured, the slot a step filled with its state at its cache point, after the tokens before that point."""
+        end = seq.num_computed if captured is None else seq.request.cache_point
         start = seq.cached_pages * self.kv_pool.page_size
-        tail_page = seq.pages[seq.cached_pages] if seq.num_computed > start else None
-        self.prefix_cache.snapshot(seq.cache_node, seq.tokens(start, seq.num_computed), tail_page, seq.slot)
-        seq.last_snapshot = seq.num_computed
+        tail_page = seq.pages[seq.cached_pages] if end > start else None
+        if captured is None:
+            self.prefix_cache.snapshot(seq.cache_node, seq.tokens(start, end), tail_page, seq.slot)
+        else:
+            self.prefix_cache.adopt(seq.cache_node, seq.tokens(start, end), tail_page, captured)
+        seq.last_snapshot = end
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start child from parent's state after the prompt: copied state slot, shared full pages, a copied
@@ -187,11 +204,20 @@ class Scheduler:
         self.running.append(child)
 
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
-        """With a prefix cache, a prompt's prefill stops at its request's cache point, where its state is saved."""
-        end = seq.num_tokens
-        if self.prefix_cache is not None and seq.num_computed < seq.request.cache_point:
-            end = seq.request.cache_point
-        return min(end - seq.num_computed, budget, self.chunk_size)
+        return min(seq.num_tokens - seq.num_computed, budget, self.chunk_size)
+
+    def _capture(self, seq: Sequence, length: int) -> tuple[int, tuple[int, int] | None]:
+        """With a prefix cache, a prompt chunk of `length` tokens that runs past its request's cache point saves the
+        state there into a state slot of its own (ScheduledChunk.capture), which becomes the cache's snapshot after
+        the step; when no slot is free or can be freed, the chunk stops at the cache point instead (its state is
+        then saved from the sequence's slot). The chunk's length and capture."""
+        offset = seq.request.cache_point - seq.num_computed
+        if self.prefix_cache is None or not 0 < offset < length:
+            return length, None
+        if self.state_pool.num_free == 0 and not self.prefix_cache.reclaim_slots(1):
+            return offset, None
+        seq.capture_slot = self.state_pool.allocate()
+        return length, (offset, seq.capture_slot)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow (evicting what
@@ -293,10 +319,10 @@ class Scheduler:
         self.add(seq)
 
     def _release(self, seq: Sequence) -> None:
-        for slot in ([seq.slot] if seq.slot is not None else []) + seq.reserved_slots:
+        for slot in [s for s in (seq.slot, seq.capture_slot) if s is not None] + seq.reserved_slots:
             self.state_pool.free(slot)
         self.kv_pool.free(seq.pages)
         if seq.cache_node is not None:
             seq.cache_node.locks -= 1
-        seq.slot, seq.pages, seq.reserved_slots, seq.num_computed = None, [], [], 0
+        seq.slot, seq.capture_slot, seq.pages, seq.reserved_slots, seq.num_computed = None, None, [], [], 0
         seq.cache_node, seq.cached_pages, seq.draft = None, 0, ()

@@ -2,9 +2,51 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class StateCaptures:
+    """KDA states saved partway through sequences' new tokens (the prefix cache's snapshot at a request's cache
+    point, inside a chunk that runs past it): sequence seqs[i] of the batch saves its state after its first
+    offsets[i] new tokens (0 < offsets[i] < its new tokens) into state slot slots[i]. The KDA layers then run the
+    chunked recurrence over the head rows (every token before a capture, and all of the other sequences'), copy
+    the captured states, and continue over the tail rows."""
+
+    seqs: list[int]
+    offsets: list[int]
+    slots: list[int]
+    firsts: list[int]                   # each captured sequence's first row among the batch's tokens
+    head_rows: torch.Tensor             # [T_head] int64: the rows before the captures
+    head_cu: torch.Tensor               # [N+1] int64: the head rows' cu_seqlens (captured sequences cut short)
+    tail_rows: torch.Tensor             # [T - T_head] int64: the captured sequences' rows from their offsets on
+    tail_cu: torch.Tensor               # [C+1] int64: the tail rows' cu_seqlens
+    seq_index: torch.Tensor             # [C] int64: seqs
+    slot_index: torch.Tensor            # [C] int64: slots
+
+    @classmethod
+    def build(cls, new_lens: list[int], captures: list[tuple[int, int, int]], device: torch.device | str
+              ) -> StateCaptures:
+        """captures: (sequence, offset, slot) triples, in sequence order."""
+        seqs, offsets, slots = (list(c) for c in zip(*captures))
+        if any(not 0 < r < new_lens[j] for j, r in zip(seqs, offsets)):
+            raise ValueError("a capture must fall strictly inside its sequence's new tokens.")
+        starts, cut = [0, *itertools.accumulate(new_lens)], dict(zip(seqs, offsets))
+        head_lens = [cut.get(j, n) for j, n in enumerate(new_lens)]
+        head = [row for j, n in enumerate(head_lens) for row in range(starts[j], starts[j] + n)]
+        tail = [row for j, r in cut.items() for row in range(starts[j] + r, starts[j + 1])]
+
+        def cu(lens: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=device)
+
+        def rows(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(seqs, offsets, slots, [starts[j] for j in seqs], rows(head), cu(head_lens), rows(tail),
+                   cu([new_lens[j] - r for j, r in zip(seqs, offsets)]), rows(seqs), rows(slots))
 
 
 @dataclass(frozen=True)
@@ -30,16 +72,19 @@ class ForwardBatch:
     uniform: bool = False               # every sequence brings max_new >= 1 tokens (known without reading lengths)
     dp_tokens: tuple[int, ...] | None = None  # DP attention: every DP group's new tokens; this batch is this rank's
                                               # group's, the model's stream holds all of them, group by group
+    captures: StateCaptures | None = None     # KDA states saved partway through sequences' new tokens
 
     @classmethod
     def build(cls, new_lens: list[int], prefix_lens: list[int] | None = None,
               state_slots: list[int] | torch.Tensor | None = None,
               page_table: list[list[int]] | torch.Tensor | None = None, page_size: int = 0,
-              device: torch.device | str = "cpu", keep_token_states: bool = False) -> ForwardBatch:
+              device: torch.device | str = "cpu", keep_token_states: bool = False,
+              captures: list[tuple[int, int, int]] = ()) -> ForwardBatch:
         """Build the metadata from per-sequence counts (new tokens, tokens already cached).
 
         page_table row n lists the KV pages (of page_size tokens) holding sequence n, in order. keep_token_states:
         a speculative verification (a few tokens per sequence, each with a cached prefix): see the field.
+        captures: (sequence, offset, state slot) triples, see StateCaptures.
         """
         n = len(new_lens)
         prefix = prefix_lens if prefix_lens is not None else [0] * n
@@ -81,6 +126,7 @@ class ForwardBatch:
             max_total=max_total,
             keep_token_states=keep_token_states,
             uniform=n > 0 and min(new_lens) == max(new_lens) > 0,
+            captures=StateCaptures.build(new_lens, list(captures), device) if captures else None,
         )
 
     @classmethod

@@ -84,7 +84,9 @@ class KimiDeltaAttention(nn.Module):
 
     def _prefill(self, qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor, batch: ForwardBatch,
                  state) -> torch.Tensor:
-        """Short conv then chunked KDA over the new tokens: o [T, H, D] before the output norm."""
+        """Short conv then chunked KDA over the new tokens: o [T, H, D] before the output norm. With captures
+        (batch.captures), each captured sequence's conv state (its last W-1 inputs before the offset) and recurrent
+        state (after the head rows' recurrence, before the tail's) are also copied into its capture's slot."""
         if state is None and batch.has_prefix:
             raise ValueError("a batch with cached prefixes needs the cache that holds them.")
         use_state = batch.prefix_lens > 0
@@ -97,5 +99,20 @@ class KimiDeltaAttention(nn.Module):
         if state is None:                                  # training, or a plain forward: no pools to update
             return ops.chunk_kda(q, k, v, g, beta, batch.cu_seqlens)[0]
         state.conv[batch.state_slots] = conv_final.detach().to(state.conv.dtype)
-        return backend.get_op("kda_prefill", qkv.device)(q, k, v, g, beta, batch.cu_seqlens, state.recurrent,
-                                                         batch.state_slots, use_state)[0]
+        kda = backend.get_op("kda_prefill", qkv.device)
+        captures = batch.captures
+        if captures is None:
+            return kda(q, k, v, g, beta, batch.cu_seqlens, state.recurrent, batch.state_slots, use_state)[0]
+        for j, offset, slot, first in zip(captures.seqs, captures.offsets, captures.slots, captures.firsts):
+            inputs = torch.cat([conv_state[j].to(qkv.dtype), qkv[first:first + offset]])
+            state.conv[slot] = inputs[-state.conv.shape[1]:]
+        head, tail = captures.head_rows, captures.tail_rows
+        o_head = kda(q[head], k[head], v[head], g[head], beta[head], captures.head_cu, state.recurrent,
+                     batch.state_slots, use_state)[0]
+        o = o_head.new_empty(q.shape[0], *o_head.shape[1:])
+        o[head] = o_head
+        slots = batch.state_slots[captures.seq_index]
+        state.recurrent[captures.slot_index] = state.recurrent[slots]
+        o[tail] = kda(q[tail], k[tail], v[tail], g[tail], beta[tail], captures.tail_cu, state.recurrent, slots,
+                      torch.ones_like(slots, dtype=torch.bool))[0]
+        return o

@@ -63,6 +63,23 @@ def test_an_exact_repeat_computes_only_the_last_token(model_dir, cold):
     assert_idle(llm.engine.scheduler)
 
 
+def test_a_prompt_runs_past_its_cache_point_in_one_step(model_dir, cold):
+    """The chunk that crosses a request's cache point saves the state there on the way, into a slot of its own
+    that becomes the snapshot: the prompt's first token comes from its first step, and the snapshot serves a hit.
+    With no state slot to spare, the chunk stops at the cache point instead and the rest runs a step later."""
+    ids = prompt(41, 22)
+    for slots, first_step_tokens, snapshots in [(4, 1, 1), (1, 0, 0)]:
+        llm = warm_llm(model_dir, max_mamba_cache_size=slots)
+        llm.engine.add_request("a", ids, greedy())
+        assert sum(len(o.outputs[0].token_ids) for o in llm.engine.step()) == first_step_tokens
+        assert llm.engine.scheduler.prefix_cache.stats.snapshots_taken == snapshots
+        while llm.engine.has_unfinished_requests():
+            final = llm.engine.step()
+        assert final[0].outputs[0].token_ids == cold(ids)
+        assert cached(llm, ids) == (cold(ids), 21 if snapshots else 0)
+        assert_idle(llm.engine.scheduler)
+
+
 def test_warm_logprobs_match_cold_ones(model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     ids = prompt(2, 30)

@@ -9,6 +9,8 @@ import torch
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.layers.mla import ABSORBED, PLAIN, GatedMLA
+from kestrel.ops import backend
+from helpers import tiny_model
 
 LENGTHS = [1, 7, 40, 70]   # 70 spans two KDA chunks
 ATOL = 1e-4                # fp32 accumulation-order noise; logits are O(1)
@@ -46,9 +48,10 @@ class Runner:
         self.page_size = page_size
 
     @torch.no_grad()
-    def step(self, seq_ids: list[int], chunks: list[torch.Tensor], prefix: list[int]) -> list[torch.Tensor]:
+    def step(self, seq_ids: list[int], chunks: list[torch.Tensor], prefix: list[int],
+             captures: list[tuple[int, int, int]] = ()) -> list[torch.Tensor]:
         batch = ForwardBatch.build([len(c) for c in chunks], prefix, [self.slots[i] for i in seq_ids],
-                                   self.page_table[seq_ids], self.page_size)
+                                   self.page_table[seq_ids], self.page_size, captures=captures)
         logits = self.model.compute_logits(self.model(torch.cat(chunks), batch, self.cache))
         return list(logits.split([len(c) for c in chunks]))
 
@@ -114,3 +117,37 @@ def test_sequence_without_prefix_ignores_stale_slot_contents(family_model):
     runner.slots[1] = runner.slots[0]             # b takes a's slot, full of a's state
     got = runner.step([1], [b], [0])[0]
     torch.testing.assert_close(got, logits_alone(model, b), atol=ATOL, rtol=0)
+
+
+def test_a_captured_state_equals_a_prefill_that_stops_there(family_model):
+    """A chunk that saves its KDA state partway (the prefix cache's capture at a request's cache point, into a slot
+    of its own) leaves there exactly the state of a prefill that stops at that point: past a KDA chunk boundary
+    (66 of 70), and 2 tokens into a chunk that continues a cached prefix (its conv state partly from before); its
+    logits stay those of each sequence alone."""
+    check_captures(family_model[0])
+
+
+def test_a_captured_state_on_the_triton_kernels():
+    """The same with the KDA family's Triton kernels (under the interpreter)."""
+    backend.set_backend("triton", "kda")
+    try:
+        check_captures(tiny_model("k3.1-tiny")[0], long=12)
+    finally:
+        backend.set_backend(None, "kda")
+
+
+def check_captures(model, long: int = 70) -> None:
+    """Captures after long - 4 of a fresh sequence's long tokens and 2 of another's after a prefix of 10."""
+    a, b, c = random_sequences([long, 15, 7], model.config.vocab_size)
+    runner, heads = Runner(model, 3, max(long, 15)), Runner(model, 3, max(long, 15))
+    for r in (runner, heads):
+        r.step([1], [b[:10]], [0])
+    spare = [0, 1]                     # the slots no sequence of the Runner holds
+    got = runner.step([0, 1, 2], [a, b[10:], c], [0, 10, 0], captures=[(0, long - 4, spare[0]), (1, 2, spare[1])])
+    heads.step([0, 1], [a[:long - 4], b[10:12]], [0, 10])
+    for state, head in zip(runner.cache.kda, heads.cache.kda):
+        for name in ("conv", "recurrent"):      # the batches differ, so later layers' inputs differ by rounding
+            torch.testing.assert_close(getattr(state, name)[spare], getattr(head, name)[heads.slots[:2]],
+                                       atol=1e-5, rtol=0)
+    for seq, logits in zip([a, b, c], got):
+        torch.testing.assert_close(logits, logits_alone(model, seq)[-len(logits):], atol=ATOL, rtol=0)

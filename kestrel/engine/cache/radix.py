@@ -174,17 +174,34 @@ class PrefixCache:
     def snapshot(self, node: Node, tail: list[int], tail_page: int | None, slot: int) -> None:
         """Save the state in `slot`, the state after node's pages and then `tail` (fewer than P tokens, whose KV
         rows tail_page holds). Skipped when no state slot is free or can be freed by evicting a colder snapshot."""
-        if len(tail) >= self.page_size or (tail_page is None) != (not tail):
-            raise ValueError(f"a snapshot's tail must be shorter than a page and have its page; got {len(tail)} "
-                             f"tokens and page {tail_page}.")
-        key, now = tuple(tail), next(self._clock)
-        if key in node.snapshots:
-            node.snapshots[key].last_use = now
+        if self._known(node, tail, tail_page):
             return
         if self.state_pool.num_free == 0 and not self.reclaim_slots(1):
             return
         saved = self.state_pool.allocate()
         self.state_pool.copy(slot, saved)
+        self._keep(node, tail, tail_page, saved)
+
+    def adopt(self, node: Node, tail: list[int], tail_page: int | None, slot: int) -> None:
+        """Keep `slot`, a state slot allocated for it that holds the state after node's pages and then `tail`, as
+        that snapshot (freed instead when the cache holds it already)."""
+        if self._known(node, tail, tail_page):
+            self.state_pool.free(slot)
+        else:
+            self._keep(node, tail, tail_page, slot)
+
+    def _known(self, node: Node, tail: list[int], tail_page: int | None) -> bool:
+        """Whether node holds the snapshot after `tail` already (then marked used now)."""
+        if len(tail) >= self.page_size or (tail_page is None) != (not tail):
+            raise ValueError(f"a snapshot's tail must be shorter than a page and have its page; got {len(tail)} "
+                             f"tokens and page {tail_page}.")
+        known = node.snapshots.get(tuple(tail))
+        if known is not None:
+            known.last_use = next(self._clock)
+        return known is not None
+
+    def _keep(self, node: Node, tail: list[int], tail_page: int | None, saved: int) -> None:
+        key, now = tuple(tail), next(self._clock)
         if tail_page is not None:
             self.kv_pool.share([tail_page], cache=True)
         node.snapshots[key] = self._snapshots[saved] = Snapshot(node, key, saved, tail_page, now)

@@ -17,6 +17,7 @@ from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kestrel.ops import causal_conv1d
 from kestrel.ops.torch import kda as kda_ops
 from kestrel.ops.torch.kda import chunk_kda, recurrent_kda, recurrent_kda_uniform
+from kestrel.ops.torch.kda_prefill import kda_prefill
 
 RELATIVE_TOLERANCE = 1e-4
 LENGTHS_SINGLE = [1, 17, 64, 100, 130]
@@ -325,3 +326,19 @@ def test_a_layout_cached_under_inference_mode_serves_a_later_backward() -> None:
     x.requires_grad_()
     causal_conv1d(x, torch.randn(6, 4), inputs["cu_seqlens"])[0].sum().backward()
     assert q.grad.isfinite().all() and x.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("lengths", [[1, 8, 0, 3], [9, 2]], ids=["short: recurrence", "chunked"])
+def test_pool_prefill_equals_the_naive_recurrence(lengths: list[int]) -> None:
+    """kda_prefill over the state pool (sequences of at most SHORT_SEQUENCES tokens run the recurrence token by
+    token, longer batches the chunked form): fla's naive recurrence from each slot's state (zeros where a sequence
+    starts fresh, whatever its slot holds), the final states written to the slots."""
+    inputs = make_inputs(lengths)
+    slots, use_state = torch.tensor([3, 0, 2, 1][:len(lengths)]), torch.tensor([True, False, True, True][:len(lengths)])
+    pool = torch.full((4, *inputs["initial_state"].shape[1:]), float("nan"))
+    pool[slots[use_state]] = inputs["initial_state"][use_state]
+    inputs["initial_state"] = torch.where(use_state.view(-1, 1, 1, 1), inputs["initial_state"], 0)
+    o, _ = kda_prefill(*sequence_inputs(inputs), pool, slots, use_state)
+    expected_o, expected_states = naive_per_sequence(inputs)
+    assert_close_to(o, expected_o, "o")
+    assert_close_to(pool[slots], expected_states, "final states")

@@ -66,9 +66,8 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     (decode by CUDA graphs), the pools get one scratch slot and page beyond the plan."""
     args.apply_backends()
     layout = par.layout
-    model_drafts = args.speculative_algorithm in MODEL_DRAFTERS
     model = load_model(Path(args.model), None if args.dtype == "auto" else DTYPES[args.dtype], device, par,
-                       embed_last_stage=model_drafts)
+                       embed_last_stage=args.speculative_algorithm in MODEL_DRAFTERS)
     config = model.config
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)

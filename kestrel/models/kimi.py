@@ -22,8 +22,9 @@ gathers the groups' outputs (`DecoderLayer.attention`).
 Under pipeline parallelism a rank builds only its stage's layers (the others are `AbsentLayer`s, so every layer
 keeps its checkpoint name and index), the embedding on the first stage, the final norm, LM head and MTP layers on
 the last (and a copy of the embedding there too with `embed_last_stage`, for the drafters that run on the last
-stage: the MTP layers and block drafts embed the tokens they draft from). A stage runs `run_layers` on the residual stream [n, T, D] it receives: the AttnRes block summaries
-finished so far and the running partial sum (n = 1, the hidden states, without AttnRes), so
+stage: the MTP layers and block drafts embed the tokens they draft from). A stage runs `run_layers` on the
+residual stream [n, T, D] it receives: the AttnRes block summaries finished so far and the running partial sum
+(n = 1, the hidden states, without AttnRes), so
 
     hidden = model.model.finish(model.model.run_layers(model.model.start(input_ids), batch, cache))
 

@@ -20,6 +20,7 @@ recently used) before a request is refused or preempted.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .cache.kv_pool import KVPool
@@ -111,8 +112,7 @@ class Scheduler:
             draft, seq.draft = (seq.draft[:budget - length] if decoding else ()), ()
             if not self._grow(seq, length + len(draft), protected=scheduled):
                 continue
-            length, capture = self._capture(seq, length)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft, capture))
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
             scheduled.add(seq)
             budget -= length + len(draft)
         self.waiting.sort(key=lambda s: s.priority_key)
@@ -121,10 +121,9 @@ class Scheduler:
             if not length:
                 break
             seq = self.waiting.pop(0)
-            length, capture = self._capture(seq, length)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length, capture=capture))
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
-        return chunks
+        return [self._capture(chunk) for chunk in chunks]        # after admissions: they come first
 
     def record_progress(self, seq: Sequence) -> None:
         """After a step computed seq's tokens up to num_computed: its newly full pages go into the prefix cache,
@@ -206,18 +205,19 @@ class Scheduler:
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed, budget, self.chunk_size)
 
-    def _capture(self, seq: Sequence, length: int) -> tuple[int, tuple[int, int] | None]:
-        """With a prefix cache, a prompt chunk of `length` tokens that runs past its request's cache point saves the
-        state there into a state slot of its own (ScheduledChunk.capture), which becomes the cache's snapshot after
-        the step; when no slot is free or can be freed, the chunk stops at the cache point instead (its state is
-        then saved from the sequence's slot). The chunk's length and capture."""
-        offset = seq.request.cache_point - seq.num_computed
-        if self.prefix_cache is None or not 0 < offset < length:
-            return length, None
+    def _capture(self, chunk: ScheduledChunk) -> ScheduledChunk:
+        """With a prefix cache, a prompt chunk that runs past its request's cache point saves the state there into a
+        state slot of its own (ScheduledChunk.capture), which becomes the cache's snapshot after the step; when no
+        slot is free or can be freed, the chunk stops at the cache point instead (its state is then saved from the
+        sequence's slot)."""
+        seq = chunk.seq
+        offset = seq.request.cache_point - chunk.start
+        if self.prefix_cache is None or not 0 < offset < chunk.length:
+            return chunk
         if self.state_pool.num_free == 0 and not self.prefix_cache.reclaim_slots(1):
-            return offset, None
+            return dataclasses.replace(chunk, length=offset)
         seq.capture_slot = self.state_pool.allocate()
-        return length, (offset, seq.capture_slot)
+        return dataclasses.replace(chunk, capture=(offset, seq.capture_slot))
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give seq a slot (and its forks' slots) and its first chunk's pages if the pools allow (evicting what

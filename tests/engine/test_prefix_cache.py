@@ -80,6 +80,21 @@ def test_a_prompt_runs_past_its_cache_point_in_one_step(model_dir, cold):
         assert_idle(llm.engine.scheduler)
 
 
+def test_a_capture_never_keeps_a_request_waiting(model_dir, cold):
+    """Admissions come before captures: with two state slots and two prompts arriving together, both run from the
+    first step (each stopping at its cache point, no slot being left to capture into), and answer as cold ones."""
+    llm, ids = warm_llm(model_dir, max_mamba_cache_size=2), [prompt(44, 15), prompt(45, 18)]
+    for i, prompt_ids in enumerate(ids):
+        llm.engine.add_request(f"r{i}", prompt_ids, greedy())
+    llm.engine.step()
+    assert llm.engine.num_running_requests() == 2
+    finals = {}
+    while llm.engine.has_unfinished_requests():
+        finals |= {o.request_id: o.outputs[0].token_ids for o in llm.engine.step() if o.finished}
+    assert [finals["r0"], finals["r1"]] == [cold(ids[0]), cold(ids[1])]
+    assert_idle(llm.engine.scheduler)
+
+
 def test_warm_logprobs_match_cold_ones(model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     ids = prompt(2, 30)

@@ -2,7 +2,9 @@
 
 Decode is timed at several batch sizes over a context already in the cache (its pages and state slots are filled
 with random values rather than prefilled, which would take longer than the whole benchmark), eagerly and replayed
-from CUDA graphs as the engine runs it (kestrel.engine.decode_graphs), and compared with the bandwidth bound: the
+from CUDA graphs as the engine runs it (kestrel.engine.decode_graphs), and so is a speculative verification of 4
+drafts per sequence (eagerly, as the engine runs verifications: the cost side of speculation; with random weights
+there is no acceptance to measure), and compared with the bandwidth bound: the
 HBM bandwidth over the bytes one step must move (every weight but the routed experts, the experts the step's
 tokens are routed to, the latent KV read, the KDA states read and written). The step runs whatever backend the
 layers use; which one ran is read from the kernel names of a profiled eager step.
@@ -35,6 +37,7 @@ BATCHES = (1, 32, 128)
 PAGE_SIZE = 64
 WARMUP_STEPS, DECODE_STEPS = 2, 8
 PREFILL_SEQS, PREFILL_LEN = 4, 2048
+VERIFY_BATCHES, VERIFY_TOKENS = (1, 32), 5
 TRITON_KERNELS = {"_kda_decode_kernel": "kda", "_intra_chunk_kernel": "kda", "_state_scan_kernel": "kda",
                   "_partial_kernel": "attention", "_combine_kernel": "attention", "_scores_kernel": "attention",
                   "_gate_up_kernel": "moe", "_down_kernel": "moe", "_mix_norm_kernel": "norm"}
@@ -171,6 +174,25 @@ def decode_batch(model: KimiForCausalLM, cache: HybridCache, graphs: DecodeGraph
             "fraction_of_bound": round(bound / graph_s, 3)}
 
 
+def verify_batch(model: KimiForCausalLM, cache: HybridCache, batch_size: int, page_table: torch.Tensor,
+                 decode_ms: float) -> dict[str, Any]:
+    """Median step time of batch_size sequences each verifying VERIFY_TOKENS tokens (a speculative verification of
+    VERIFY_TOKENS - 1 drafts) at CONTEXT, eagerly and keeping every token's KDA state, as the engine runs
+    verifications; against decode_ms, the decode step's, the tokens a verification must emit to beat plain
+    decoding (the draft's own cost aside). Acceptance is not measured: the weights are random."""
+    slots, rows = list(range(batch_size)), page_table[:batch_size]
+    batch = ForwardBatch.build([VERIFY_TOKENS] * batch_size, [CONTEXT] * batch_size, slots, rows, PAGE_SIZE, "cuda",
+                               keep_token_states=True)
+
+    def verify(i: int) -> None:
+        ids = torch.randint(model.config.vocab_size, (batch_size * VERIFY_TOKENS,), device="cuda")
+        model.compute_logits(model(ids, batch, cache))
+
+    seconds = median_step_seconds(verify)
+    return dict(batch=batch_size, tokens_per_seq=VERIFY_TOKENS, verify_ms=round(seconds * 1e3, 2),
+                decode_ms=decode_ms, break_even_tokens=round(seconds * 1e3 / decode_ms, 2))
+
+
 def prefill(model: KimiForCausalLM, cache: HybridCache, page_table: torch.Tensor) -> dict[str, Any]:
     """Prefill throughput: PREFILL_SEQS fresh sequences of PREFILL_LEN tokens in one forward call."""
     batch = ForwardBatch.build([PREFILL_LEN] * PREFILL_SEQS, None, list(range(PREFILL_SEQS)),
@@ -210,6 +232,8 @@ def run_model(bandwidth_gbps: float) -> dict[str, Any]:
     one_step = ForwardBatch.build([1], [CONTEXT], [0], page_table[:1], PAGE_SIZE, "cuda")
     backends = backends_used(lambda: model(torch.zeros(1, dtype=torch.long, device="cuda"), one_step, cache))
     decode = [decode_batch(model, cache, graphs, b, bandwidth_gbps, page_table) for b in BATCHES]
+    step_ms = {d["batch"]: d["step_ms"] for d in decode}
+    verify = [verify_batch(model, cache, b, page_table, step_ms[b]) for b in VERIFY_BATCHES]
     return dict(model=MODEL, parameters_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
-                backends=backends, decode=decode, prefill=prefill(model, cache, page_table),
+                backends=backends, decode=decode, verify=verify, prefill=prefill(model, cache, page_table),
                 peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1))

@@ -3,7 +3,7 @@ the bundled model (seeded sampling; decode replayed from CUDA graphs against eag
 size, token for token; TP2 over two rank processes, sharing the GPU when there is one, against one process), copy
 bandwidth, every Triton kernel against its torch reference, KDA prefill against fla's
 chunk_kda (when fla imports), and end-to-end decode and prefill of a Kimi-Linear-48B-shaped model with the fraction
-of the bandwidth bound reached.
+of the bandwidth bound reached, and a speculative verification's cost against its decode step.
 
 Writes $OUT/gpu-results.json (every number, the device, the software, any section's error), $OUT/gpu-results.md
 (the section of docs/benchmarks.md) and, once decode was measured, an evidence record under $OUT/evidence/ (copy it
@@ -207,6 +207,14 @@ def markdown(results: dict[str, Any]) -> str:
                     d["tokens_per_s"], d["bytes_per_step_gb"], d["bound_ms"], d["eager_fraction_of_bound"],
                     "failed" if "graph_error" in d else d["fraction_of_bound"]] for d in e2e["decode"]]), ""]
     lines += [f"- graphs at batch {d['batch']}: {d['graph_error']}" for d in e2e["decode"] if "graph_error" in d]
+    if e2e.get("verify"):
+        lines += ["Speculative verification (eager, every token's KDA state kept) against the decode step above: a "
+                  "verification pays only where it emits more tokens than break-even, plus the draft's own time. "
+                  "Random weights have no acceptance to measure (the bundled model's block draft emits 3.0 tokens "
+                  "per verification on held-out text, docs/benchmarks.md spec).", "", markdown_table(
+                      ["batch", "tokens / sequence", "verify ms", "decode ms", "break-even tokens / verification"],
+                      [[v["batch"], v["tokens_per_seq"], v["verify_ms"], v["decode_ms"], v["break_even_tokens"]]
+                       for v in e2e["verify"]]), ""]
     p = e2e["prefill"]
     lines += [f"Prefill: {p['sequences']} x {p['length']} tokens in {p['ms']} ms, {p['tokens_per_s']} tokens/s."]
     return "\n".join(lines)

@@ -42,6 +42,8 @@ RESULTS = {
     "fla_prefill": {"skipped": "fla does not import here"},
     "model": {"backends": {"kda": "triton", "attention": "triton", "moe": "triton", "norm": "triton"},
               "parameters_b": 48.9, "peak_memory_gb": 110.0, "decode": DECODE,
+              "verify": [{"batch": 1, "tokens_per_seq": 5, "verify_ms": 6.0, "decode_ms": 4.0,
+                          "break_even_tokens": 1.5}],
               "prefill": {"sequences": 4, "length": 2048, "ms": 900.0, "tokens_per_s": 9102}},
 }
 
@@ -52,6 +54,7 @@ def test_markdown_has_eager_and_graph_decode_columns_and_graph_failures():
     assert "| 1 | 2048 | 9.0 | 4.0 | 250 | 12.5 | 2.9 | 0.322 | 0.725 |" in text
     assert "| 128 | 2048 | 30.0 | failed | 4267 | 12.5 | 2.9 | 0.097 | failed |" in text
     assert "- graphs at batch 128: RuntimeError: capture failed" in text
+    assert "| 1 | 5 | 6.0 | 4.0 | 1.5 |" in text                # the verification against the decode step
 
 
 def test_markdown_reports_the_engine_checks():

@@ -43,7 +43,9 @@ CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "specula
            "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},
            "DFLASH k=4": DFLASH,
            "plain, packed experts": PACKED, "DFLASH k=4, packed experts": {**DFLASH, **PACKED},
-           "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED}}
+           "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED},
+           "DFLASH k=4, compiled, off above 4 sequences": {**DFLASH, **COMPILED,
+                                                          "speculative_disable_by_batch_size": 4}}
 """Every configuration holds the MXFP4 experts as a float32 copy (DENSE) unless it says "packed experts"; the
 compiled and packed configurations are compared with plain decoding of the same kind, the others with plain."""
 
@@ -114,7 +116,9 @@ def main() -> None:
         "expands the tiles of up to k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps "
         "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend), and the block draft "
         "too (one graph per power-of-two batch), compared with plain compiled decoding; the other rows with plain "
-        "eager decoding. Acceptance length: tokens emitted per verification step. Each configuration ran once untimed (compiling its shapes), "
+        "eager decoding. \"off above 4 sequences\": `speculative_disable_by_batch_size` 4, no drafts while more "
+        "than 4 sequences run. Acceptance length: tokens emitted per verification step. Each configuration ran "
+        "once untimed (compiling its shapes), "
         f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
         "eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "

@@ -71,6 +71,8 @@ class EngineArgs:
     speculative_algorithm: str = "none"          # none, NGRAM (earlier tokens), NEXTN (MTP), DFLASH (block draft),
                                                  # STANDALONE (a smaller model sharing the tokenizer)
     speculative_num_draft_tokens: int = 4        # draft tokens verified per step
+    speculative_disable_by_batch_size: int | None = None  # draft only while at most this many sequences run
+                                                 # (vLLM's flag; above it speculation costs more than it saves)
     speculative_draft_model_path: str | None = None  # DFLASH: the block draft's folder; STANDALONE: the draft model's
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
@@ -108,6 +110,8 @@ class EngineArgs:
              "speculative_draft_model_path", "set for --speculative-algorithm DFLASH (the block draft's folder) and "
              "STANDALONE (the draft model's folder)"),
             (self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens", "at least 1"),
+            (self.speculative_disable_by_batch_size is None or self.speculative_disable_by_batch_size >= 1,
+             "speculative_disable_by_batch_size", "at least 1"),
             (self.hicache_ratio > 0, "hicache_ratio", "positive"),
             (self.hicache_size >= 0, "hicache_size", "at least 0"),
             (self.hicache_storage_backend in ("none", "file"), "hicache_storage_backend", "none or file"),

@@ -376,10 +376,12 @@ class LLMEngine:
 
     def _draft_room(self, seq: Sequence) -> int:
         """How many draft tokens seq may verify next step: none before its first output token, with structured
-        outputs, or while it still has prompt to compute; else as many as its max_tokens and the context leave."""
+        outputs, while it still has prompt to compute, or while more sequences run than
+        --speculative-disable-by-batch-size; else as many as its max_tokens and the context leave."""
         params, n = seq.request.params, seq.num_tokens
+        limit = self.args.speculative_disable_by_batch_size
         if seq.status is not Status.RUNNING or seq.num_computed != n - 1 or not seq.output_ids \
-                or seq.matcher is not None:
+                or seq.matcher is not None or (limit is not None and len(self.scheduler.running) > limit):
             return 0
         room = min(self.args.speculative_num_draft_tokens, self.context_length - n)
         if params.max_tokens is not None:

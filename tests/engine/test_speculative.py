@@ -313,6 +313,26 @@ def test_draft_tokens_count_against_the_step_budget(model_dir, plain, oracle, mo
     assert max(totals) == 7 and llm.engine.spec_stats.accepted_tokens > 0
 
 
+def test_speculation_pauses_while_more_sequences_run_than_the_limit(model_dir, plain, oracle, monkeypatch):
+    """--speculative-disable-by-batch-size 2: no step verifies drafts while more than two sequences run (the four
+    prompts with max_tokens 16, 8, 24 and 12 finish in turn), and drafting resumes once two or fewer are left."""
+    llm = spec_llm(model_dir, speculative_disable_by_batch_size=2)
+    running, verified = [], []
+    schedule = llm.engine.scheduler.schedule
+
+    def recorded():
+        chunks = schedule()
+        running.append(len(llm.engine.scheduler.running))
+        verified.append(any(c.draft for c in chunks))
+        return chunks
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", recorded)
+    params = [greedy(n) for n in (16, 8, 24, 12)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [answers(plain, [p], q)[0] for p, q in zip(PROMPTS, params)]
+    assert not any(v for v, n in zip(verified, running) if n > 2)
+    assert any(verified) and llm.engine.spec_stats.accepted_tokens > 0
+
+
 def test_a_failed_draft_fails_its_requests_and_the_engine_serves_on(model_dir, plain, monkeypatch):
     """The MTP drafter raising once: the requests it drafted for end with an error naming it (nothing left
     behind), and the next requests decode as plain greedy decoding does."""

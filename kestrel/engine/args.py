@@ -15,9 +15,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
+"""The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 MODEL_DRAFTERS = ("NEXTN", "DFLASH")
 """The speculative algorithms whose drafters read the target's final hidden states."""
-"""The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 
 
 @dataclass

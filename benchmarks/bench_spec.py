@@ -1,6 +1,6 @@
 """Speculative decoding on the CPU with the bundled model (models/k3.1-tiny): plain decoding against NGRAM drafts,
 the model's own MTP layer (NEXTN) and the block draft shipped beside it (DFLASH, models/k3.1-tiny-dflash), over 8
-requests served one at a time (concurrency 1) and all at once (8).
+requests served one at a time (concurrency 1), in groups of 2 and 4 (the block draft only) and all at once (8).
 
 One run, same machine, float32 (in bfloat16 the verification's batched arithmetic rounds differently from one-token
 steps, so near-ties can flip) with the MXFP4 experts held as a float32 copy (packed in the rows that say so),
@@ -44,10 +44,15 @@ CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "specula
            "DFLASH k=4": DFLASH,
            "plain, packed experts": PACKED, "DFLASH k=4, packed experts": {**DFLASH, **PACKED},
            "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED},
-           "DFLASH k=4, compiled, off above 4 sequences": {**DFLASH, **COMPILED,
-                                                          "speculative_disable_by_batch_size": 4}}
+           "DFLASH k=4, compiled, off above 1 sequence": {**DFLASH, **COMPILED,
+                                                         "speculative_disable_by_batch_size": 1}}
 """Every configuration holds the MXFP4 experts as a float32 copy (DENSE) unless it says "packed experts"; the
 compiled and packed configurations are compared with plain decoding of the same kind, the others with plain."""
+BETWEEN = ["plain", "DFLASH k=4", "plain, compiled", "DFLASH k=4, compiled",
+           "DFLASH k=4, compiled, off above 1 sequence"]
+CONCURRENCY = {1: list(CONFIGS), 2: BETWEEN, 4: BETWEEN, 8: list(CONFIGS)}
+"""The configurations run at each concurrency: all at 1 and 8, the block draft against plain between (where
+speculation stops paying)."""
 
 
 def baseline(name: str) -> str:
@@ -85,18 +90,18 @@ def main() -> None:
     ids = tokenizer.encode((BUNDLED_MODEL / "heldout_sample.txt").read_text(), add_special_tokens=False)
     rows = []
     for workload, prompts in workloads(ids).items():
-        for concurrency in (1, 8):
-            for llm in engines.values():
-                run(llm, prompts, concurrency)                  # warm-up (compiles the compiled steps' shapes)
-            best = {name: float("inf") for name in engines}
+        for concurrency, names in sorted(CONCURRENCY.items()):
+            for name in names:
+                run(engines[name], prompts, concurrency)        # warm-up (compiles the compiled steps' shapes)
+            best = {name: float("inf") for name in names}
             results = {}
             for _ in range(ROUNDS):
-                for name, llm in engines.items():
-                    seconds, tokens, acceptance = run(llm, prompts, concurrency)
+                for name in names:
+                    seconds, tokens, acceptance = run(engines[name], prompts, concurrency)
                     best[name] = min(best[name], seconds)
                     results[name] = (tokens, acceptance)
             produced = OUTPUT_TOKENS * len(prompts)
-            for name in engines:
+            for name in names:
                 tokens, acceptance = results[name]
                 same = sum(a == b for a, b in zip(tokens, results["plain"][0]))
                 rows.append([workload, concurrency, name, f"{produced / best[name]:,.1f}",
@@ -107,7 +112,8 @@ def main() -> None:
     body = "\n\n".join([
         "## Speculative decoding (CPU)",
         "The bundled model in float32, greedy, EOS ignored, 96 output tokens per request, 8 requests per workload "
-        "served one at a time (concurrency 1) or all at once (8). \"held-out\": 64-token stretches of the held-out "
+        "served one at a time (concurrency 1), in groups of 2 or 4, or all at once (8; at 2 and 4 only the block "
+        "draft against plain decoding, eager and compiled). \"held-out\": 64-token stretches of the held-out "
         "sample; \"quoting\": a 96-token stretch followed by its first 32 tokens again (text that quotes earlier "
         "text, as tool results and code edits do). NGRAM drafts from the sequence's own earlier tokens; NEXTN from "
         "the model's MTP layer, chained for k > 1; DFLASH from the block draft (`models/k3.1-tiny-dflash`, one "
@@ -116,9 +122,9 @@ def main() -> None:
         "expands the tiles of up to k+1 times as many experts). \"compiled\": `enable_torch_compile`, decode steps "
         "and verifications of equal drafts compiled by torch.compile (inductor's C++ backend), and the block draft "
         "too (one graph per power-of-two batch), compared with plain compiled decoding; the other rows with plain "
-        "eager decoding. \"off above 4 sequences\": `speculative_disable_by_batch_size` 4, no drafts while more "
-        "than 4 sequences run. Acceptance length: tokens emitted per verification step. Each configuration ran "
-        "once untimed (compiling its shapes), "
+        "eager decoding. \"off above 1 sequence\": `speculative_disable_by_batch_size` 1, no drafts while more "
+        "than one sequence runs (compiled, speculation stops paying at 2). Acceptance length: tokens emitted per "
+        "verification step. Each configuration ran once untimed (compiling its shapes), "
         f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
         "eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "

@@ -35,17 +35,18 @@ class StateCaptures:
         if any(not 0 < r < new_lens[j] for j, r in zip(seqs, offsets)):
             raise ValueError("a capture must fall strictly inside its sequence's new tokens.")
         starts, cut = [0, *itertools.accumulate(new_lens)], dict(zip(seqs, offsets))
-        head_lens = [cut.get(j, n) for j, n in enumerate(new_lens)]
-        head = [row for j, n in enumerate(head_lens) for row in range(starts[j], starts[j] + n)]
-        tail = [row for j, r in cut.items() for row in range(starts[j] + r, starts[j + 1])]
+        in_tail = torch.zeros(starts[-1], dtype=torch.bool)
+        for j, r in cut.items():
+            in_tail[starts[j] + r:starts[j + 1]] = True
 
         def cu(lens: list[int]) -> torch.Tensor:
             return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=device)
 
-        def rows(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+        def rows(values: list[int] | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.long, device=device)
 
-        return cls(seqs, offsets, slots, [starts[j] for j in seqs], rows(head), cu(head_lens), rows(tail),
+        return cls(seqs, offsets, slots, [starts[j] for j in seqs], rows((~in_tail).nonzero()[:, 0]),
+                   cu([cut.get(j, n) for j, n in enumerate(new_lens)]), rows(in_tail.nonzero()[:, 0]),
                    cu([new_lens[j] - r for j, r in zip(seqs, offsets)]), rows(seqs), rows(slots))
 
 

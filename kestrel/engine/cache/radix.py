@@ -191,7 +191,8 @@ class PrefixCache:
             self._keep(node, tail, tail_page, slot)
 
     def _known(self, node: Node, tail: list[int], tail_page: int | None) -> bool:
-        """Whether node holds the snapshot after `tail` already (then marked used now)."""
+        """Whether node holds the snapshot after `tail` already (then marked used now); a ValueError for a tail
+        that cannot end a snapshot."""
         if len(tail) >= self.page_size or (tail_page is None) != (not tail):
             raise ValueError(f"a snapshot's tail must be shorter than a page and have its page; got {len(tail)} "
                              f"tokens and page {tail_page}.")

@@ -125,7 +125,11 @@ class ModelRunner:
         self.drafter = drafter
         self.kept: list[torch.Tensor] = []       # per forward since the last draft: its hidden states [T, D]
         par = model.par
-        self.link = StageLink(par.layout, par.via_host) if par.layout.pp_size > 1 else None
+        self.link = None              # the stage link (one per rank: a staged drafter's drafts travel on it too)
+        if isinstance(drafter, StagedDrafter):
+            self.link = drafter.link
+        elif par.layout.pp_size > 1:
+            self.link = StageLink(par.layout, par.via_host)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], all_rows: set[int], verify: bool = False) -> list[torch.Tensor | None]:

@@ -10,6 +10,9 @@ context) and a prefill of PREFILL = 128 tokens. Each point times the model forwa
 - in place, packed: kestrel.ops.torch.moe.moe_experts on the packed experts (the default);
 - in place, bf16 copy / fp32 copy: the same op on a dense copy held by RoutedExperts.hold_dense_copy.
 The paths run alternately, ROUNDS rounds of one step each after a warm-up; the table keeps each path's fastest step.
+A second table per model runs it in bfloat16 (weights, activations, KV cache; the experts' bf16 copy used in place) and
+compares the op's two grouped forms at the same points: torch._grouped_mm (a loop over the experts on the CPU) and
+one zero-padded torch.bmm over all experts (kestrel's form up to PADDED_ROWS rows per expert).
 "max |dlogit|" is the largest logit difference of the in-place packed path from the gather path at the prefill
 point; the time spent inside RoutedExperts.forward is given for each fastest step.
 Writes the section "moe-cpu" of docs/benchmarks.md.
@@ -135,7 +138,7 @@ class Sequences:
     def __post_init__(self) -> None:
         pages = -(-max(CONTEXT + 1, PREFILL) // PAGE)
         self.cache = HybridCache.allocate(self.model.config, num_slots=self.count, num_pages=self.count * pages,
-                                          page_size=PAGE, dtype=torch.float32)
+                                          page_size=PAGE, dtype=self.model.lm_head.weight.dtype)
         self.table = torch.arange(self.count * pages).view(self.count, pages)
         self.generator = torch.Generator().manual_seed(0)
         prompt = ForwardBatch.build([CONTEXT] * self.count, None, list(range(self.count)), self.table, PAGE)
@@ -208,30 +211,74 @@ def measure(model: KimiForCausalLM) -> tuple[list[list[object]], float]:
     return rows, difference
 
 
+@contextmanager
+def padded_rows(rows: dict[torch.dtype, int]) -> Iterator[None]:
+    """The routed experts' op with PADDED_ROWS = rows while the context lasts ({}: torch._grouped_mm always)."""
+    original = torch_moe.PADDED_ROWS
+    torch_moe.PADDED_ROWS = rows
+    try:
+        yield
+    finally:
+        torch_moe.PADDED_ROWS = original
+
+
+GROUPED_FORMS = {"grouped GEMM (torch._grouped_mm)": {}, "padded bmm": torch_moe.PADDED_ROWS}
+
+
+def measure_bf16(model: KimiForCausalLM) -> list[list[object]]:
+    """The model in bfloat16 with its experts' bf16 copy: rows (point, grouped form, tokens/s, ratio to
+    torch._grouped_mm, ms per step in the routed experts)."""
+    rows = []
+    pool = Sequences(model, max(sequences for _, sequences, _ in POINTS))
+    for label, sequences, new_tokens in POINTS:
+        step = pool.step(sequences, new_tokens)
+        best = {name: (float("inf"), 0.0) for name in GROUPED_FORMS}
+        for round_ in range(ROUNDS + 1):                               # round 0: warm-up
+            for name, form in GROUPED_FORMS.items():
+                with padded_rows(form), timing_experts() as spent:
+                    start = time.perf_counter()
+                    step()
+                    if round_:
+                        best[name] = min(best[name], (time.perf_counter() - start, spent[0]))
+        base = best["grouped GEMM (torch._grouped_mm)"][0]
+        for name, (seconds, experts) in best.items():
+            rows.append([label, name, f"{sequences * new_tokens / seconds:,.1f}", f"{base / seconds:.2f}x",
+                         f"{experts * 1e3:,.1f}"])
+            print(rows[-1], flush=True)
+    return rows
+
+
 @torch.inference_mode()
 def main() -> None:
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()[0]
-    models = {
+    models = {      # title -> the model in a dtype
         "K3 437M (hidden 1024, 12 layers, 64 experts top-4, latent 512, intermediate 256)":
-            init_weights(build_model(parse_config(k3_437m()), torch.float32), seed=0).eval(),
+            lambda dtype: init_weights(build_model(parse_config(k3_437m()), dtype), seed=0).eval(),
         "bundled k3.1-tiny (hidden 192, 6 layers, 32 experts top-2, latent 96, intermediate 96)":
-            load_model(BUNDLED_MODEL, torch.float32),
+            lambda dtype: load_model(BUNDLED_MODEL, dtype),
     }
     header = ["point", "MoE path", "tok/s", "vs gather", "ms / step in routed experts"]
     sections = []
-    for title, model in models.items():
+    for title, make in models.items():
+        model = make(torch.float32)
         packed = expert_bytes(model)
         copies = {dtype: hold_dense_experts(model, dtype) for dtype in (torch.bfloat16, torch.float32)}
         hold_dense_experts(model, None)
         print(title, flush=True)
         rows, difference = measure(model)
+        model = make(torch.bfloat16)
+        hold_dense_experts(model, torch.bfloat16)
+        bf16_rows = measure_bf16(model)
         sections += [
             f"### {title}",
             f"Routed experts in memory: packed {packed / 2**20:,.0f} MiB; a bf16 copy adds "
             f"{copies[torch.bfloat16] / 2**20:,.0f} MiB, an fp32 copy {copies[torch.float32] / 2**20:,.0f} MiB. "
             f"max |dlogit| (in place, packed vs gather, prefill): {difference:.1e}.",
             markdown_table(header, rows),
+            "In bfloat16, the experts' bf16 copy used in place, the op's two grouped forms:",
+            markdown_table(["point", "grouped form", "tok/s", "vs torch._grouped_mm", "ms / step in routed experts"],
+                           bf16_rows),
         ]
     load_after = os.getloadavg()[0]
     body = "\n\n".join([
@@ -242,7 +289,11 @@ def main() -> None:
         "op on a dense bf16 or fp32 copy (`RoutedExperts.hold_dense_copy`). Decode points: one new token per "
         f"sequence after {CONTEXT} tokens of context; prefill: one sequence of {PREFILL} tokens. The paths ran "
         f"alternately, {ROUNDS} rounds of one step each after a warm-up; each keeps its fastest step, and \"ms / "
-        "step in routed experts\" is the time that step spent inside `RoutedExperts.forward`.",
+        "step in routed experts\" is the time that step spent inside `RoutedExperts.forward`. Then the same model "
+        "in bfloat16 (weights, activations and KV cache; the experts' bf16 copy used in place) under the op's two "
+        "grouped forms, alternating the same way: `torch._grouped_mm` (on the CPU a loop over the experts) and one "
+        "zero-padded `torch.bmm` over all experts, which the op uses up to `PADDED_ROWS` (16 in bfloat16) rows per "
+        "expert.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",
         *sections,

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kestrel.ops.torch.moe as moe_module
-from kestrel.ops.torch.moe import ExpertWeights, GLUActivation, expand_mxfp4, moe_experts, moe_experts_by_pairs
+from kestrel.ops.torch.moe import (ExpertWeights, GLUActivation, _padded_bmm, expand_mxfp4, moe_experts,
+                                   moe_experts_by_pairs)
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
 
 ACTIVATIONS = {"silu": GLUActivation("silu"), "situ": GLUActivation("situ", beta=4.0, linear_beta=25.0)}
@@ -192,3 +193,27 @@ def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, 
     torch.testing.assert_close(outputs[torch.bfloat16], outputs[torch.float32], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(outputs[torch.float32].double(), per_token(z, ids, weights, packed, ACTIVATIONS["silu"]),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_few_rows_per_expert_run_as_one_padded_batched_gemm(dtype: torch.dtype, tolerance: float, fused: bool,
+                                                            monkeypatch) -> None:
+    """Dense experts in the activation dtype with at most PADDED_ROWS[dtype] pairs on every expert (uneven groups,
+    expert 7 unused) go through the padded bmm, and it computes the formula (float64 on the same rounded
+    inputs; bfloat16 products round to bfloat16)."""
+    generator = torch.Generator().manual_seed(12)
+    dense = make_experts(False, generator, fused=fused)
+    experts = ExpertWeights(*(None if w is None else w.to(dtype) for w in
+                              (dense.w1, dense.w3, dense.w2, None, None, None, dense.w13)))
+    rows = moe_module.PADDED_ROWS[dtype]
+    ids = torch.tensor([[0, 1 + t % 6, 1 + (t + 3) % 6] for t in range(rows)])     # expert 0: rows pairs, 7 unused
+    z = torch.randn(ids.shape[0], DIM, generator=generator).to(dtype)
+    weights = torch.rand(ids.shape, generator=generator)
+    calls = []
+    monkeypatch.setattr(moe_module, "_padded_bmm", lambda *args: calls.append(args[2].shape)
+                        or _padded_bmm(*args))
+    actual = moe_experts(z, ids, weights, experts, ACTIVATIONS["silu"])
+    assert len(calls) == (2 if fused else 3) and actual.dtype == dtype
+    expected = per_token(z, ids, weights, experts, ACTIVATIONS["silu"])
+    torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))

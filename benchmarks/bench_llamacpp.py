@@ -35,11 +35,12 @@ What runs:
    here: 0.7-5 tok/s on two threads against 400-800 tok/s on one, for the bundled-size model's batch-1 decode).
    kestrel: its engine stepped here (LLM(..., dtype="float32") with token-id prompts and greedy SamplingParams),
    decode timed from the step where every sequence has its first token to the end, prefill from add_request to
-   the request's end (its first token); in four configurations (KESTREL): eager and compiled
-   (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's default: 0.53 bytes per expert
-   weight, expanded as they are read), compiled with a float32 copy of the experts (`moe_dense_experts="float32"`:
-   4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like one), and compiled with a bfloat16
-   copy (`moe_dense_experts="bfloat16"`: the same values in 2 bytes, multiplied in float32). Compiling happens in
+   the request's end (its first token), run twice and the first dropped as llama.cpp's is; in four configurations
+   (KESTREL): eager and compiled (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's
+   default: 0.53 bytes per expert weight, expanded as they are read), compiled with a float32 copy of the experts
+   (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like
+   one), and compiled with a bfloat16 copy (`moe_dense_experts="bfloat16"`: the same values in 2 bytes, multiplied
+   in float32). Compiling happens in
    the untimed first runs; their extra time is reported, with any step that failed to compile. Prefills are not
    compiled: the compiled configurations differ there only by the experts.
 5. Writes the section "llamacpp" of docs/benchmarks.md: versions, the logits agreement, a table per model, and
@@ -350,12 +351,14 @@ class KestrelTimer:
         return n * NEW / seconds
 
     def prefill(self, n: int) -> float:
-        """tok/s of one n-token prompt, from add_request to its first token."""
+        """tok/s of one n-token prompt, from add_request to its first token: the second of two prompts (the first a
+        warm-up, as llama-batched-bench's -npp n,n run is measured)."""
         engine = self.llm.engine
-        started = time.perf_counter()
-        engine.add_request(f"p{next(self.ids)}", self.prompt(n), SamplingParams(temperature=0, max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
+        for _ in range(2):
+            started = time.perf_counter()
+            engine.add_request(f"p{next(self.ids)}", self.prompt(n), SamplingParams(temperature=0, max_tokens=1))
+            while engine.has_unfinished_requests():
+                engine.step()
         return n / (time.perf_counter() - started)
 
     def measure(self, point: Point) -> float:
@@ -524,7 +527,8 @@ def main() -> None:
         "by its own convert_hf_to_gguf.py (kimi-k3) to float32 GGUF from kestrel's checkpoints (MXFP4 experts "
         "dequantized, same values). Both engines "
         f"{THREADS} threads, float32 (KV cache too), greedy. Decode: n sequences with {PROMPT}-token prompts, tok/s "
-        f"over the {NEW} tokens after each sequence's first; prefill: one prompt, tok/s to its first token. "
+        f"over the {NEW} tokens after each sequence's first; prefill: one prompt, tok/s to its first token, the second "
+        "of two prompts in a row for both engines. "
         "llama.cpp: llama-batched-bench; kestrel: its engine (LLMEngine.add_request/step), eager and compiled "
         "(enable_torch_compile) with its packed MXFP4 experts, and compiled with a float32 copy of the experts "
         "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration), and compiled "

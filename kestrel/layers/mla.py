@@ -142,19 +142,20 @@ class GatedMLA(nn.Module):
         """The absorbed form straight over the pages (decode): q [T, H, 192] -> [T, H, v_dim]."""
         pages = cache.mla[self.mla_index]
         pages.latent.write(batch.kv_write_index, latent)
+        group = batch.max_new if batch.uniform else 1      # a verification of equal drafts reads each context once
         selected = None
         if self.indexer is not None:
             pages.index_keys.write(batch.kv_write_index, index_keys)
             scores = self.indexer.reduce(backend.get_op("paged_indexer_scores", x.device)(
                 *self.indexer.queries(x, q_latent), pages.index_keys.values, pages.index_keys.scales,
-                batch.page_table, cache.page_size, batch.seq_index, batch.positions, batch.max_total))
+                batch.page_table, cache.page_size, batch.seq_index, batch.positions, batch.max_total, group))
             selected = topk_positions(scores, self.indexer.topk)
         w_uk, w_uv = self._absorption()
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_full = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)
         o_latent = backend.get_op("paged_mla_decode", x.device)(
             q_full, pages.latent.values, pages.latent.scales, batch.page_table, cache.page_size, batch.seq_index,
-            batch.positions, self.scale, self.latent_dim, selected)
+            batch.positions, self.scale, self.latent_dim, selected, group)
         return torch.einsum("thr,hvr->thv", o_latent, w_uv)
 
     def _context_parallel(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None,

@@ -6,6 +6,10 @@ latent part. Rows may be FP8 E4M3 with one fp32 scale each; they are dequantized
 as `kestrel.layers.cache.PagedRows.read` does. Rows a query cannot see may be unwritten (the cache is not
 initialised), so they never reach a result. Query token t of sequence seq_index[t] sits at positions[t] and
 attends to positions 0..positions[t] of its sequence (all of them, or only those in `selected[t]`).
+
+The query tokens come in groups of `tokens_per_seq` consecutive tokens of one sequence at increasing positions (1:
+a decode step; more: a speculative verification of equal drafts, `ForwardBatch.uniform`): each group reads its
+sequence's rows once, not once per token.
 """
 
 from __future__ import annotations
@@ -47,23 +51,37 @@ def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return torch.where(ranked.values[:, :topk] > float("-inf"), chosen, -1)
 
 
+def group_rows(page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
+               context_len: int, tokens_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache rows of positions 0..context_len-1 for each group of tokens_per_seq query tokens (see the module
+    docstring), [T / tokens_per_seq, context_len] int64, and which of them its last token sees (bool, same shape):
+    rows past it may never have been written."""
+    position = torch.arange(context_len, device=positions.device)
+    rows = paged_rows(page_table, page_size, seq_index[::tokens_per_seq].unsqueeze(1), position)
+    return rows, position <= positions[tokens_per_seq - 1::tokens_per_seq].unsqueeze(1)
+
+
 def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: torch.Tensor | None,
                      page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
-                     scale: float, value_dim: int, selected: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, value_dim: int, selected: torch.Tensor | None = None, tokens_per_seq: int = 1
+                     ) -> torch.Tensor:
     """softmax(q . rows * scale) @ rows[:, :value_dim] over each query's visible cache rows.
 
     q: [T, H, Dk] (the absorbed query: latent part, then shared-key part; Dk = the cache row width);
     cache_values: [R, Dk] (model dtype, or FP8 E4M3 with cache_scales [R] fp32); page_table: [N, P] int64;
-    seq_index, positions: [T] int64; selected: [T, k] int64 positions (-1 = none) for sparse MLA, or None.
+    seq_index, positions: [T] int64; selected: [T, k] int64 positions (-1 = none) for sparse MLA, or None;
+    tokens_per_seq: the query tokens' grouping (see the module docstring).
     Returns [T, H, value_dim] in q's dtype; a query with no visible row gets zeros.
     """
+    num_tokens, groups = q.shape[0], q.shape[0] // tokens_per_seq
     context_len = page_table.shape[1] * page_size       # every position the table can hold (no host sync)
-    position = torch.arange(context_len, device=q.device)
-    rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), position)          # [T, S]
-    visible = position <= positions.unsqueeze(1)
-    # Rows past a query's position may never have been written (the cache is not initialised): zero them.
-    context = torch.where(visible.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)
-    context = context.unsqueeze(2)                                                     # [T, S, 1, Dk]
-    mask = visible if selected is None else visible & selected_mask(selected, context_len)
-    o = masked_attention(q.unsqueeze(1), context, context[..., :value_dim], mask.unsqueeze(1), scale)
-    return o.squeeze(1)
+    rows, seen = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
+    # Rows past a group's last query may never have been written (the cache is not initialised): zero them.
+    context = torch.where(seen.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)
+    context = context.unsqueeze(2)                                                     # [T/L, S, 1, Dk]
+    mask = torch.arange(context_len, device=q.device) <= positions.unsqueeze(1)        # [T, S]
+    if selected is not None:
+        mask = mask & selected_mask(selected, context_len)
+    o = masked_attention(q.view(groups, tokens_per_seq, *q.shape[1:]), context, context[..., :value_dim],
+                         mask.view(groups, tokens_per_seq, context_len), scale)
+    return o.view(num_tokens, *o.shape[2:])

@@ -9,20 +9,25 @@ from __future__ import annotations
 import torch
 
 from .indexer import indexer_scores
-from .paged_attention import paged_rows, read_rows
+from .paged_attention import group_rows, read_rows
 
 
 def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: torch.Tensor,
                          key_scales: torch.Tensor | None, page_table: torch.Tensor, page_size: int,
-                         seq_index: torch.Tensor, positions: torch.Tensor, context_len: int) -> torch.Tensor:
+                         seq_index: torch.Tensor, positions: torch.Tensor, context_len: int, tokens_per_seq: int = 1
+                         ) -> torch.Tensor:
     """I[t, s] = sum_h weights[t, h] relu(q[t, h] . key_s) D^-0.5 for s <= positions[t], else -inf.
 
     q: [T, Hi, D]; weights: [T, Hi] (already scaled by Hi^-0.5); key_values: [R, D] (model dtype, or FP8 E4M3
     with key_scales [R] fp32), dequantized to q's dtype; page_table: [N, P] int64; seq_index, positions: [T]
-    int64; context_len: the number of score columns (at least max(positions) + 1). Returns [T, context_len] fp32.
+    int64; context_len: the number of score columns (at least max(positions) + 1); tokens_per_seq: the query
+    tokens' grouping (kestrel.ops.torch.paged_attention: each group reads its keys once). Returns [T, context_len]
+    fp32.
     """
-    position = torch.arange(context_len, device=q.device)
-    rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), position)           # [T, S]
-    mask = position <= positions.unsqueeze(1)
-    keys = torch.where(mask.unsqueeze(-1), read_rows(key_values, key_scales, rows, q.dtype), 0)   # unwritten: 0
-    return indexer_scores(q.unsqueeze(1), keys, weights.unsqueeze(1), mask.unsqueeze(1)).squeeze(1)
+    groups = q.shape[0] // tokens_per_seq
+    rows, seen = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
+    keys = torch.where(seen.unsqueeze(-1), read_rows(key_values, key_scales, rows, q.dtype), 0)   # unwritten: 0
+    mask = torch.arange(context_len, device=q.device) <= positions.unsqueeze(1)
+    scores = indexer_scores(q.view(groups, tokens_per_seq, *q.shape[1:]), keys,
+                            weights.view(groups, tokens_per_seq, -1), mask.view(groups, tokens_per_seq, -1))
+    return scores.view(q.shape[0], context_len)

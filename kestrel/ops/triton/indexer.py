@@ -44,8 +44,10 @@ def _scores_kernel(q, weights, keys, key_scales, page_table, seq_index, position
 
 def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: torch.Tensor,
                          key_scales: torch.Tensor | None, page_table: torch.Tensor, page_size: int,
-                         seq_index: torch.Tensor, positions: torch.Tensor, context_len: int) -> torch.Tensor:
-    """Triton version of `kestrel.ops.torch.paged_indexer.paged_indexer_scores` (see there for shapes)."""
+                         seq_index: torch.Tensor, positions: torch.Tensor, context_len: int, tokens_per_seq: int = 1
+                         ) -> torch.Tensor:
+    """Triton version of `kestrel.ops.torch.paged_indexer.paged_indexer_scores` (see there for shapes; each program
+    scores its own token, so the grouping tokens_per_seq changes nothing here)."""
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, context_len, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or context_len == 0:

@@ -108,8 +108,10 @@ def _num_splits(programs: int, max_rows: int, device: torch.device) -> int:
 
 def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: torch.Tensor | None,
                      page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
-                     scale: float, value_dim: int, selected: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `kestrel.ops.torch.paged_attention.paged_mla_decode` (see there for shapes).
+                     scale: float, value_dim: int, selected: torch.Tensor | None = None, tokens_per_seq: int = 1
+                     ) -> torch.Tensor:
+    """Triton version of `kestrel.ops.torch.paged_attention.paged_mla_decode` (see there for shapes; each program
+    reads its own token's rows, so the grouping tokens_per_seq changes nothing here).
 
     The split count comes from shapes only (the page table's width, or selected's), so no host synchronisation.
     """

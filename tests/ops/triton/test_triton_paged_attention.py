@@ -4,7 +4,7 @@ the torch references, under the Triton interpreter; and the references against t
 The cache is written through `PagedRows.write` (fp32, fp16, or FP8 with a scale per row) into storage that starts
 as NaN (an unwritten row must never reach a result), in pages handed out in shuffled order; contexts cover a single
 token, exactly full pages and a partly filled last page; several queries of one sequence (speculative
-verification) see different lengths. Tolerances, relative to the largest reference
+verification) see different lengths, and groups of a sequence's consecutive tokens read its rows once. Tolerances, relative to the largest reference
 magnitude: 1e-5 for fp32 and FP8 rows computed in fp32 (observed at most 2e-7), 2e-3 for fp16 (observed at most
 3e-4: the kernel rounds the softmax weights to fp16 before the value product, as flash attention does).
 """
@@ -96,6 +96,43 @@ def test_indexer_scores_match_reference(cache_dtype: torch.dtype) -> None:
     actual = paged_indexer_scores(*args)
     assert actual.shape == (len(QUERIES), context_len)
     assert relative_error(actual, expected) < TOLERANCE[cache_dtype]
+
+
+GROUPS = [(1, 45), (2, 74), (3, 147)]
+"""(sequence, first position) of three tokens each: a verification of two drafts per sequence, ending at the
+context's last written row (the rows after the group's last token start as NaN)."""
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_grouped_queries_read_each_context_once_with_the_same_result(cache_dtype: torch.dtype, sparse: bool
+                                                                     ) -> None:
+    """Both references with tokens_per_seq=3 (each sequence's rows read once for its three tokens) equal the same
+    queries taken one token at a time, and the Triton kernels take the grouping and agree."""
+    generator = torch.Generator().manual_seed(4)
+    width, heads, value_dim = 40, 2, 32
+    cache, table = paged_cache(width, cache_dtype, generator)
+    seq = torch.tensor([n for n, _ in GROUPS]).repeat_interleave(3)
+    pos = torch.tensor([first for _, first in GROUPS]).repeat_interleave(3) + torch.arange(3).repeat(len(GROUPS))
+    q = torch.randn(len(seq), heads, width, generator=generator)
+    selected = None
+    if sparse:
+        scores = torch.randn(len(seq), max(CONTEXTS), generator=generator)
+        selected = reference.topk_positions(scores.masked_fill(torch.arange(max(CONTEXTS)) > pos.unsqueeze(1),
+                                                               float("-inf")), 30)
+    args = (q, cache.values, cache.scales, table, PAGE_SIZE, seq, pos, 0.2, value_dim, selected)
+    one_by_one = reference.paged_mla_decode(*args)
+    grouped = reference.paged_mla_decode(*args, tokens_per_seq=3)
+    assert one_by_one.isfinite().all()
+    torch.testing.assert_close(grouped, one_by_one, atol=1e-6, rtol=1e-6)
+    assert relative_error(paged_mla_decode(*args, tokens_per_seq=3), one_by_one) < TOLERANCE[cache_dtype]
+
+    weights = torch.randn(len(seq), heads, generator=generator)
+    index_args = (q, weights, cache.values, cache.scales, table, PAGE_SIZE, seq, pos, max(CONTEXTS) + 5)
+    one_by_one = reference_scores(*index_args)
+    grouped = reference_scores(*index_args, tokens_per_seq=3)
+    torch.testing.assert_close(grouped, one_by_one, atol=1e-6, rtol=1e-6)
+    assert relative_error(paged_indexer_scores(*index_args, tokens_per_seq=3), one_by_one) < TOLERANCE[cache_dtype]
 
 
 def test_topk_positions_select_what_topk_mask_selects() -> None:

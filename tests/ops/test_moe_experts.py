@@ -195,13 +195,13 @@ def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, 
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_few_rows_per_expert_run_as_one_padded_batched_gemm(dtype: torch.dtype, tolerance: float, fused: bool,
                                                             monkeypatch) -> None:
     """Dense experts in the activation dtype with at most PADDED_ROWS[dtype] pairs on every expert (uneven groups,
     expert 7 unused) go through the padded bmm, and it computes the formula (float64 on the same rounded
-    inputs; bfloat16 products round to bfloat16)."""
+    inputs; the products round to the half dtype)."""
     generator = torch.Generator().manual_seed(12)
     dense = make_experts(False, generator, fused=fused)
     experts = ExpertWeights(*(None if w is None else w.to(dtype) for w in

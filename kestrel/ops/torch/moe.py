@@ -2,9 +2,9 @@
 
 The reference for the Triton grouped GEMM, and the CPU path itself. Token-expert pairs are sorted by expert, so each
 expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: the stacked
-dense weights in one grouped GEMM when they are in the activation dtype (no copy; few rows per expert are padded
-into one batched GEMM, `PADDED_ROWS`), or each expert's MXFP4 tile expanded for this call (only the experts in use,
-one tile at a time). The gated activation runs once over all pairs, and the weighted rows are added back to their
+dense weights in one grouped GEMM when they are in the activation dtype (no copy; in bf16 and fp16 few rows per
+expert are padded into one batched GEMM, `PADDED_ROWS`), or each expert's MXFP4 tile expanded for this call (only
+the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted rows are added back to their
 tokens with index_add. No weight matrix is copied per token.
 
 MXFP4 on the CPU: three compute formats, measured by benchmarks/bench_moe_cpu.py (docs/benchmarks.md, "moe-cpu") on
@@ -36,12 +36,13 @@ _PAIR_INT = {2: torch.int32, 4: torch.int64}
 """The integer dtype as wide as two values of a 2- or 4-byte float: one gather moves both values of a packed byte."""
 
 
-PADDED_ROWS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 2}
+PADDED_ROWS = {torch.bfloat16: 16, torch.float16: 16}
 """The most rows per expert for which _per_expert pads every expert's group to the largest and runs one batched
 GEMM (torch.bmm) instead of torch._grouped_mm, which loops over the experts on the CPU. Measured on the CPU (2
 threads, 64 experts [512, 512] and [512, 256], 32 experts [192, 96]): a bf16 bmm costs about its weight read up to
-16 rows per expert, 1.8-10x faster than the grouped GEMM of the same rows; in float32 the padded rows cost compute
-past 2 (64 x [512, 512]: bmm 2.7 ms at 1-2 rows, 3.7 at 4, grouped 2.9-3.0 ms at 1-2 rows)."""
+16 rows per expert, 1.8-10x faster than the grouped GEMM of the same rows. Never in float32: its bmm over every
+expert took 1.5-3x the grouped GEMM at 1-2 rows per expert (1 and 2 threads; 32 experts [192, 96] top-2, 5 tokens:
+353 against 203 us; 64 experts [512, 256] top-4, 5 tokens: 2.4 against 1.0 ms)."""
 
 
 _pair_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -41,8 +41,8 @@ PADDED_ROWS = {torch.bfloat16: 16, torch.float16: 16}
 GEMM (torch.bmm) instead of torch._grouped_mm, which loops over the experts on the CPU. Measured on the CPU (2
 threads, 64 experts [512, 512] and [512, 256], 32 experts [192, 96]): a bf16 bmm costs about its weight read up to
 16 rows per expert, 1.8-10x faster than the grouped GEMM of the same rows. Never in float32: its bmm over every
-expert took 1.5-3x the grouped GEMM at 1-2 rows per expert (1 and 2 threads; 32 experts [192, 96] top-2, 5 tokens:
-353 against 203 us; 64 experts [512, 256] top-4, 5 tokens: 2.4 against 1.0 ms)."""
+expert took 1.5-3x the grouped GEMM at 1-2 rows per expert (1 and 2 threads; at 2, 32 experts [192, 96] top-2, 5
+tokens: 353 against 203 us; 64 experts [512, 256] top-4, 5 tokens: 2.4 against 1.0 ms)."""
 
 
 _pair_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -73,7 +73,7 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     tokens_per_seq: the query tokens' grouping (see the module docstring).
     Returns [T, H, value_dim] in q's dtype; a query with no visible row gets zeros.
     """
-    num_tokens, groups = q.shape[0], q.shape[0] // tokens_per_seq
+    groups = q.shape[0] // tokens_per_seq
     context_len = page_table.shape[1] * page_size       # every position the table can hold (no host sync)
     rows, seen = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
     # Rows past a group's last query may never have been written (the cache is not initialised): zero them.
@@ -82,6 +82,6 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     mask = torch.arange(context_len, device=q.device) <= positions.unsqueeze(1)        # [T, S]
     if selected is not None:
         mask = mask & selected_mask(selected, context_len)
-    o = masked_attention(q.view(groups, tokens_per_seq, *q.shape[1:]), context, context[..., :value_dim],
-                         mask.view(groups, tokens_per_seq, context_len), scale)
-    return o.view(num_tokens, *o.shape[2:])
+    o = masked_attention(q.unflatten(0, (groups, tokens_per_seq)), context, context[..., :value_dim],
+                         mask.unflatten(0, (groups, tokens_per_seq)), scale)
+    return o.flatten(0, 1)

@@ -28,6 +28,5 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: tor
     rows, seen = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
     keys = torch.where(seen.unsqueeze(-1), read_rows(key_values, key_scales, rows, q.dtype), 0)   # unwritten: 0
     mask = torch.arange(context_len, device=q.device) <= positions.unsqueeze(1)
-    scores = indexer_scores(q.view(groups, tokens_per_seq, *q.shape[1:]), keys,
-                            weights.view(groups, tokens_per_seq, -1), mask.view(groups, tokens_per_seq, -1))
-    return scores.view(q.shape[0], context_len)
+    q, weights, mask = (x.unflatten(0, (groups, tokens_per_seq)) for x in (q, weights, mask))
+    return indexer_scores(q, keys, weights, mask).flatten(0, 1)

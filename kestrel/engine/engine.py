@@ -30,8 +30,8 @@ from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .ranks import Ranks, load_shard, model_drafter
 from .request import Request, Sequence, Status
-from .sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs, model_sampling_defaults,
-                       new_generator, raw_logprobs, sample)
+from .sampling import (SampleResult, SamplingParams, SamplingRow, finite_rows, gather_logprobs,
+                       model_sampling_defaults, new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
 from .spec import ngram
 from .spec.mtp import DraftInput
@@ -441,7 +441,7 @@ class LLMEngine:
             seq, draft = chunk.seq, list(chunk.draft)
             touched[seq.request.request_id] = seq.request
             start, first = first, first + chunk.length
-            if not torch.isfinite(chunk_logits).all():
+            if not finite_rows(chunk_logits).all():
                 self._fail(seq.request, "the model produced NaN or infinite logits for this request.")
                 continue
             try:
@@ -533,7 +533,7 @@ class LLMEngine:
         """Sample every target's next token and append it. A failure (non-finite logits, a sampler error, a
         detokenizer error) fails only the request it belongs to."""
         logits = torch.stack([row_logits for _, row_logits in targets])
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = finite_rows(logits).tolist()
         for (seq, _), ok in zip(targets, finite):
             if not ok:
                 self._fail(seq.request, "the model produced NaN or infinite logits for this request.")

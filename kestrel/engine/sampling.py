@@ -180,6 +180,13 @@ def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Genera
     return generator
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] bool: whether every value of the row is finite, from its max and min (NaN reaches
+    both, +inf the max, -inf the min). The same as isfinite().all(-1), which allocates a mask of the logits' size:
+    on the CPU, 32 rows of K3's 163,840 logits take 0.8 ms instead of 6.1 (2 threads)."""
+    return logits.amax(-1).isfinite() & logits.amin(-1).isfinite()
+
+
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> log_softmax over V in fp32 [..., V]: what `logprobs` and `prompt_logprobs` report."""
     return torch.log_softmax(logits.float(), dim=-1)

@@ -18,6 +18,7 @@ from kestrel.engine.sampling import (
     SamplingParams,
     SamplingRow,
     apply_penalties,
+    finite_rows,
     new_generator,
     raw_logprobs,
     sample,
@@ -346,3 +347,19 @@ def test_normalisation_and_greedy():
     assert SamplingParams().stop == [] and not SamplingParams(temperature=1e-5).greedy
     assert SamplingParams(temperature=9e-6).greedy
     assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_rows_is_isfinite_all(dtype):
+    """finite_rows flags a row exactly when isfinite().all(-1) does: one NaN, +inf or -inf anywhere in it (first,
+    middle or last column; alone or together), and not the dtype's largest finite values."""
+    logits = torch.randn(9, V, generator=torch.Generator().manual_seed(0)).to(dtype)
+    big = torch.finfo(dtype).max
+    logits[1, 0], logits[2, V // 2], logits[3, -1] = float("nan"), float("inf"), float("-inf")
+    logits[4, 5], logits[4, 6] = float("inf"), float("-inf")
+    logits[5, 7], logits[5, 8] = float("nan"), float("inf")
+    logits[6, :] = big
+    logits[7, 0], logits[7, 1] = big, -big
+    assert finite_rows(logits).tolist() == torch.isfinite(logits).all(-1).tolist() == \
+        [True, False, False, False, False, False, True, True, True]
+    assert finite_rows(logits[:3].view(3, 1, V)).shape == (3, 1)

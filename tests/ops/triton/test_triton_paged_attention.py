@@ -4,9 +4,10 @@ the torch references, under the Triton interpreter; and the references against t
 The cache is written through `PagedRows.write` (fp32, fp16, or FP8 with a scale per row) into storage that starts
 as NaN (an unwritten row must never reach a result), in pages handed out in shuffled order; contexts cover a single
 token, exactly full pages and a partly filled last page; several queries of one sequence (speculative
-verification) see different lengths, and groups of a sequence's consecutive tokens read its rows once. Tolerances, relative to the largest reference
-magnitude: 1e-5 for fp32 and FP8 rows computed in fp32 (observed at most 2e-7), 2e-3 for fp16 (observed at most
-3e-4: the kernel rounds the softmax weights to fp16 before the value product, as flash attention does).
+verification) see different lengths, and groups of a sequence's consecutive tokens read its rows once. Tolerances,
+relative to the largest reference magnitude: 1e-5 for fp32 and FP8 rows computed in fp32 (observed at most 2e-7),
+2e-3 for fp16 (observed at most 3e-4: the kernel rounds the softmax weights to fp16 before the value product, as
+flash attention does).
 """
 
 from __future__ import annotations

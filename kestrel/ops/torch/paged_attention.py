@@ -52,13 +52,14 @@ def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def group_rows(page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
-               context_len: int, tokens_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache rows of positions 0..context_len-1 for each group of tokens_per_seq query tokens (see the module
-    docstring), [T / tokens_per_seq, context_len] int64, and which of them its last token sees (bool, same shape):
-    rows past it may never have been written."""
+               context_len: int, tokens_per_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For query tokens in groups of tokens_per_seq (see the module docstring), over positions 0..context_len-1:
+    each group's cache rows [T / L, S] int64; which of them its last token sees [T / L, S] bool (the rows past it
+    may never have been written); and which positions each token sees [T, S] bool."""
     position = torch.arange(context_len, device=positions.device)
+    visible = position <= positions.unsqueeze(1)
     rows = paged_rows(page_table, page_size, seq_index[::tokens_per_seq].unsqueeze(1), position)
-    return rows, position <= positions[tokens_per_seq - 1::tokens_per_seq].unsqueeze(1)
+    return rows, visible[tokens_per_seq - 1::tokens_per_seq], visible
 
 
 def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: torch.Tensor | None,
@@ -75,11 +76,10 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     """
     groups = q.shape[0] // tokens_per_seq
     context_len = page_table.shape[1] * page_size       # every position the table can hold (no host sync)
-    rows, seen = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
+    rows, seen, mask = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
     # Rows past a group's last query may never have been written (the cache is not initialised): zero them.
     context = torch.where(seen.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)
     context = context.unsqueeze(2)                                                     # [T/L, S, 1, Dk]
-    mask = torch.arange(context_len, device=q.device) <= positions.unsqueeze(1)        # [T, S]
     if selected is not None:
         mask = mask & selected_mask(selected, context_len)
     o = masked_attention(q.unflatten(0, (groups, tokens_per_seq)), context, context[..., :value_dim],

@@ -25,8 +25,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: tor
     fp32.
     """
     groups = q.shape[0] // tokens_per_seq
-    rows, seen = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
+    rows, seen, mask = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
     keys = torch.where(seen.unsqueeze(-1), read_rows(key_values, key_scales, rows, q.dtype), 0)   # unwritten: 0
-    mask = torch.arange(context_len, device=q.device) <= positions.unsqueeze(1)
     q, weights, mask = (x.unflatten(0, (groups, tokens_per_seq)) for x in (q, weights, mask))
     return indexer_scores(q, keys, weights, mask).flatten(0, 1)

@@ -2,11 +2,13 @@
 
 `SamplingParams` keeps vLLM's field names and semantics. `sample` follows vLLM v1's order: stop tokens
 masked until `min_tokens` (and tokens a structured-output constraint forbids), then penalties (repetition on prompt+output, then frequency and presence on
-the output), then greedy argmax, or temperature, min_p, top_k and top_p (one sort) and a draw. Draws use
-the exponential race: argmax_i p_i / q_i with q_i ~ Exponential(1) picks token i with probability p_i,
-and each seeded row draws its q from its own `torch.Generator`, so its tokens do not depend on the rest
-of the batch; unseeded rows share the default generator and greedy rows draw nothing. Reported logprobs
-are raw: log_softmax of the model's logits before any of these steps.
+the output), then greedy argmax, or temperature, min_p, top_k and top_p and a draw. top_k and top_p look for
+the tokens they keep among a row's TOP_CANDIDATES largest logits (a partial top-k), sorting the whole row only
+where those cannot hold them. A draw is an inverse transform: one uniform u per row, and the first token whose
+cumulative probability (float64) exceeds u; each seeded row draws its u from its own `torch.Generator`, so its
+tokens do not depend on the rest of the batch; unseeded rows share the default generator and greedy rows draw
+nothing. Reported logprobs are raw, log_softmax of the model's logits before any of these steps, and computed only
+for the rows whose request asks for them (over a vocabulary of 163,840 they cost more than the argmax).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from .tokenizer import GENERATION_CONFIG_FILE, load_json_object
 GREEDY_EPS = 1e-5
 """Temperatures below this mean greedy decoding (vLLM's threshold)."""
 
+TOP_CANDIDATES = 1024
+"""How many of a row's largest logits top_k and top_p look among first. A partial top-k instead of a sort of the whole
+vocabulary: on the CPU (2 threads) 32 rows of K3's 163,840 logits take 10.6 ms against 182 for the sort."""
+DRAW_BLOCK = 1024
+"""Tokens per block of a draw's two-level search: a float64 cumulative sum over the whole vocabulary cost 33 ms for
+32 rows of K3's 163,840 (one thread), the block sums and one block's sum 1."""
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The sampling fields a model's generation_config.json may set as defaults (vLLM's `--generation-config auto`)."""
@@ -166,8 +174,8 @@ class SampleResult:
     """Chosen tokens with their raw logprobs, ranks and the top-N raw alternatives per row."""
 
     token_ids: torch.Tensor         # [R] int64
-    logprobs: torch.Tensor          # [R] fp32, raw logprob of the chosen token
-    ranks: torch.Tensor             # [R] int64, 1-based rank of the chosen token under the raw logprobs
+    logprobs: torch.Tensor          # [R] fp32, raw logprob of the chosen token (NaN where not asked for)
+    ranks: torch.Tensor             # [R] int64, 1-based rank of the chosen token under the raw logprobs (0: not asked)
     top_ids: torch.Tensor           # [R, N] int64, N = max requested logprobs in the batch
     top_logprobs: torch.Tensor      # [R, N] fp32
 
@@ -199,7 +207,8 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     vLLM). Serves prompt logprobs too: pass raw_logprobs of the prompt logits and the prompt's next tokens.
     """
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    ranks = (logprobs >= chosen[:, None]).sum(dim=-1)
+    # counted in float32 (exact below 2**24 tokens): 3.5x faster than summing the bools on the CPU
+    ranks = (logprobs >= chosen[:, None]).float().sum(dim=-1).long()
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return SampleResult(token_ids, chosen, ranks, top_ids, top_logprobs)
 
@@ -260,10 +269,41 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p_drop: torch.Tensor) -> torch.Tensor:
     """logits [S, V]; top_k [S] int64 in 1..V; top_p_drop [S, 1] fp32 = 1 - top_p -> truncated logits [S, V].
 
-    One ascending sort serves both: top_k keeps tokens >= the k-th largest logit (ties at the edge stay);
-    top_p then keeps the smallest set of most likely tokens whose renormalised mass reaches top_p, i.e.
-    drops each token whose ascending cumulative prob is <= 1 - top_p, always keeping the most likely one.
+    top_k keeps tokens >= the k-th largest logit (ties at the edge stay); top_p then keeps the smallest set of most
+    likely tokens whose renormalised mass reaches top_p, i.e. drops each token whose ascending cumulative prob is
+    <= 1 - top_p, always keeping the most likely one. Each row is decided among its TOP_CANDIDATES largest logits
+    where they hold every token it keeps; the other rows (a larger top_k, a tie at the candidates' edge, a nucleus
+    reaching past them) are sorted whole.
     """
+    vocab_size = logits.shape[1]
+    unlimited = top_k >= vocab_size
+    # top_k alone needs one candidate past the k-th (to see a tie at the edge)
+    width = TOP_CANDIDATES if unlimited.any() else min(int(top_k.max()) + 1, TOP_CANDIDATES)
+    if vocab_size <= width:
+        return _top_k_top_p_sorted(logits, top_k, top_p_drop)
+    values, ids = logits.topk(width, dim=-1)                                 # [S, C] descending
+    kth = values.gather(1, (top_k.clamp(max=width) - 1)[:, None])
+    # a top_k within the candidates whose k-th logit no token outside them ties
+    fits = unlimited | ((top_k <= width) & (kth[:, 0] > values[:, -1]))
+    values = values.masked_fill(~unlimited[:, None] & (values < kth), float("-inf"))
+    # the mass outside the candidates: all of it is dropped when it is at most 1 - top_p (else the row is sorted)
+    norm = values.logsumexp(-1)             # a top_k row's whole mass lies in the candidates, an unlimited row's not
+    if unlimited.any():
+        norm = torch.where(unlimited, logits.logsumexp(-1), norm)
+    probs = (values - norm[:, None]).exp()
+    outside = (1 - probs.sum(-1, keepdim=True)).clamp(min=0) * unlimited[:, None]
+    fits &= (outside <= top_p_drop)[:, 0]
+    drop = (outside + probs.flip(-1).cumsum(-1)).flip(-1) <= top_p_drop
+    drop[:, 0] = False
+    out = torch.full_like(logits, float("-inf")).scatter_(1, ids, values.masked_fill(drop, float("-inf")))
+    sorted_rows = (~fits).nonzero().flatten()
+    if sorted_rows.numel():
+        out[sorted_rows] = _top_k_top_p_sorted(logits[sorted_rows], top_k[sorted_rows], top_p_drop[sorted_rows])
+    return out
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p_drop: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p by one ascending sort of each whole row."""
     ordered, order = logits.sort(dim=-1)
     kth = ordered.gather(1, (logits.shape[1] - top_k)[:, None])
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
@@ -291,26 +331,37 @@ def warp_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return logits
 
 
-def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """probs [S, V] -> [S] int64: argmax(probs / q), q ~ Exponential(1), i.e. token i with probability p_i.
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs [S, V] (zero where dropped) -> [S] int64: token i with probability p_i / sum(p), by inverse transform,
+    the first token whose cumulative probability exceeds u * sum(p) for a uniform u in [0, 1): first the block of
+    DRAW_BLOCK tokens (float32 block sums, accumulated in float64), then the token in it (float64).
 
-    A row with a generator draws its V values from it alone; the other rows draw together from the default one.
+    A row with a generator draws its u from it alone; the other rows draw together from the default one.
     """
-    q = torch.empty_like(probs)
+    device = probs.device
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
     shared = [i for i, g in enumerate(generators) if g is None]
-    if len(shared) == len(generators):
-        q.exponential_()
-    elif shared:
-        q[torch.tensor(shared, device=probs.device)] = torch.empty(len(shared), probs.shape[1],
-                                                                    device=probs.device).exponential_()
+    if shared:
+        u[torch.tensor(shared, device=device)] = torch.rand(len(shared), dtype=torch.float64, device=device)
     for i, generator in enumerate(generators):
         if generator is not None:
-            q[i].exponential_(generator=generator)
-    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+            u[i] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
+    rows, vocab_size = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -vocab_size % DRAW_BLOCK)).view(rows, -1, DRAW_BLOCK)
+    # the block holding u's token, then the token within it (u < 1 keeps u * total below the total, so the search
+    # stops at or before the last block, and the last token, with mass)
+    cumulative = blocks.sum(-1).double().cumsum(-1)                                   # [S, blocks]
+    target = u[:, None] * cumulative[:, -1:]
+    block = torch.searchsorted(cumulative, target, right=True).clamp_(max=blocks.shape[1] - 1)
+    before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
+    within = blocks.gather(1, block[:, :, None].expand(-1, -1, DRAW_BLOCK))[:, 0].double().cumsum(-1)
+    offset = torch.searchsorted(within, target - before, right=True).clamp_(max=DRAW_BLOCK - 1)
+    return (block * DRAW_BLOCK + offset)[:, 0]
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits [R, V] fp32 (one row per sequence to sample) -> next tokens and their raw logprobs.
+    """logits [R, V] fp32 (one row per sequence to sample) -> next tokens, and the raw logprobs of the rows whose
+    params ask for logprobs.
 
     Greedy ties go to the lowest token id. top_ids/top_logprobs have N = the largest `logprobs` asked
     for in the batch; rows asking fewer ignore the extra columns.
@@ -318,10 +369,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [rows, vocab] with one row per SamplingRow ({len(rows)}), "
                          f"got shape {tuple(logits.shape)}.")
-    raw = raw_logprobs(logits)
-    work = logits.to(torch.float32, copy=True)
-    mask_stop_tokens(work, rows)
     constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    masked = constrained or any(len(row.output_ids) < row.params.min_tokens for row in rows)
+    work = logits.to(torch.float32, copy=bool(masked))                # the masks below write in place
+    mask_stop_tokens(work, rows)
     apply_token_bitmasks(work, constrained, [rows[i].token_bitmask for i in constrained])
     work = apply_penalties(work, rows)
     token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
@@ -333,6 +384,25 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     if randoms:
         index = torch.tensor(randoms, dtype=torch.int64, device=logits.device)
         warped = warp_logits(work[index], [rows[i].params for i in randoms])
-        token_ids[index] = _exponential_race(warped.softmax(dim=-1), [rows[i].generator for i in randoms])
-    num_top = max((row.params.logprobs or 0 for row in rows), default=0)
-    return gather_logprobs(raw, token_ids, num_top)
+        token_ids[index] = _draw(warped.softmax(dim=-1), [rows[i].generator for i in randoms])
+    return _logprobs_where_asked(logits, token_ids, rows)
+
+
+def _logprobs_where_asked(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    """The SampleResult of token_ids [R], with raw logprobs, ranks and top alternatives computed for the rows whose
+    params ask for logprobs only (the others: logprob NaN, rank 0, no alternatives)."""
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    num_top = max((rows[i].params.logprobs for i in asked), default=0)
+    if len(asked) == len(rows):
+        return gather_logprobs(raw_logprobs(logits), token_ids, num_top)
+    count, device = len(rows), logits.device
+    result = SampleResult(token_ids, torch.full((count,), math.nan, device=device),
+                          torch.zeros(count, dtype=torch.int64, device=device),
+                          torch.zeros(count, num_top, dtype=torch.int64, device=device),
+                          torch.full((count, num_top), math.nan, device=device))
+    if asked:
+        index = torch.tensor(asked, dtype=torch.int64, device=device)
+        part = gather_logprobs(raw_logprobs(logits[index]), token_ids[index], num_top)
+        for name in ("logprobs", "ranks", "top_ids", "top_logprobs"):
+            getattr(result, name)[index] = getattr(part, name)
+    return result

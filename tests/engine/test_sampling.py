@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from kestrel.engine import sampling
 from kestrel.engine.sampling import (
     SamplingParams,
     SamplingRow,
@@ -67,7 +68,7 @@ def test_raw_logprobs_is_fp32_log_softmax():
 
 def test_greedy_is_argmax_with_raw_logprobs_and_top_alternatives():
     logits = random_logits(4)
-    rows = [row(temperature=0, logprobs=n) for n in (5, 0, None, 2)]
+    rows = [row(temperature=0, logprobs=n) for n in (5, 0, 1, 2)]
     out = sample(logits, rows)
     ref = torch.log_softmax(logits.double(), -1)
     assert torch.equal(out.token_ids, logits.argmax(-1))
@@ -78,6 +79,22 @@ def test_greedy_is_argmax_with_raw_logprobs_and_top_alternatives():
     order = ref.argsort(-1, descending=True)[:, :5]
     assert torch.equal(out.top_ids, order)
     torch.testing.assert_close(out.top_logprobs, ref.gather(1, order).float())
+
+
+def test_logprobs_only_for_the_rows_that_ask():
+    """Rows without `logprobs` get none computed (NaN, rank 0); the asking rows get what they get alone."""
+    logits = random_logits(4, seed=3)
+    rows = [row(temperature=0), row(temperature=0, logprobs=3), row(seed=1, generator=new_generator(1)),
+            row(temperature=0, logprobs=0)]
+    out = sample(logits, rows)
+    assert out.logprobs[[0, 2]].isnan().all() and out.ranks[[0, 2]].tolist() == [0, 0]
+    assert out.top_logprobs[[0, 2]].isnan().all()
+    for i in (1, 3):
+        alone = sample(logits[i:i + 1], [rows[i]])
+        assert out.token_ids[i] == alone.token_ids[0] and out.ranks[i] == alone.ranks[0]
+        assert out.logprobs[i] == alone.logprobs[0]
+        n = rows[i].params.logprobs
+        assert torch.equal(out.top_ids[i, :n], alone.top_ids[0, :n])
 
 
 def test_no_logprobs_requested_gives_zero_columns_and_input_is_untouched():
@@ -91,7 +108,7 @@ def test_no_logprobs_requested_gives_zero_columns_and_input_is_untouched():
 def test_ranks_are_under_raw_logprobs_after_penalties_move_the_choice():
     logits = random_logits(3, seed=1)
     best = logits.argmax(-1).tolist()
-    rows = [row(output=[best[i]] * 3, temperature=0, frequency_penalty=2.0) for i in range(3)]
+    rows = [row(output=[best[i]] * 3, temperature=0, frequency_penalty=2.0, logprobs=0) for i in range(3)]
     out = sample(logits, rows)
     assert all(t != b for t, b in zip(out.token_ids.tolist(), best))
     ref = torch.log_softmax(logits.double(), -1)
@@ -103,7 +120,7 @@ def test_ranks_are_under_raw_logprobs_after_penalties_move_the_choice():
 def test_rank_ties_count_against_the_chosen_token():
     """Greedy ties go to the lowest id; its rank counts every token with an equal or larger logprob."""
     logits = torch.tensor([[2.0, 2.0, 1.0, 0.0]])
-    out = sample(logits, [row(temperature=0)])
+    out = sample(logits, [row(temperature=0, logprobs=0)])
     assert out.token_ids.tolist() == [0] and out.ranks.tolist() == [2]
 
 
@@ -183,6 +200,36 @@ def test_warping_matches_transformers_row_by_row_in_one_batch():
             torch.testing.assert_close(ours[i:i + 1][kept], theirs[kept])
 
 
+@pytest.mark.parametrize("candidates", [8, 16, 64])
+def test_truncation_from_the_largest_logits_matches_transformers(monkeypatch, candidates):
+    """top_k and top_p decided among a row's TOP_CANDIDATES largest logits keep what transformers keeps, for rows
+    decided there (top_k within them, a nucleus inside them) and rows sorted whole (top_k past them, a nucleus
+    reaching past them, a flat row)."""
+    monkeypatch.setattr(sampling, "TOP_CANDIDATES", candidates)
+    settings = [dict(top_k=5), dict(top_k=candidates - 1), dict(top_k=candidates), dict(top_k=candidates + 1),
+                dict(top_k=V - 1), dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.99), dict(top_p=1e-9),
+                dict(top_k=20, top_p=0.8), dict(top_k=3, top_p=0.5), dict(temperature=0.3, top_p=0.95)]
+    for trial, scale in enumerate((3.0, 0.3, 8.0)):
+        logits = random_logits(len(settings), seed=90 + trial, scale=scale)
+        params = [SamplingParams(**s) for s in settings]
+        ours = warp_logits(logits, params)
+        for i, p in enumerate(params):
+            theirs = hf_warp(logits[i:i + 1].clone(), p)
+            kept = torch.isfinite(theirs)
+            assert torch.equal(torch.isfinite(ours[i:i + 1]), kept), (trial, settings[i])
+            torch.testing.assert_close(ours[i:i + 1][kept], theirs[kept])
+
+
+def test_truncation_keeps_ties_with_the_kth_logit_outside_the_candidates(monkeypatch):
+    """A k-th logit equal to the candidates' smallest may have ties outside them: that row is sorted whole."""
+    monkeypatch.setattr(sampling, "TOP_CANDIDATES", 4)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    kept = torch.isfinite(warp_logits(logits, [SamplingParams(top_k=4)]))
+    assert kept.tolist() == [[True] * 6 + [False] * 2]
+    kept = torch.isfinite(warp_logits(logits, [SamplingParams(top_k=3)]))
+    assert kept.tolist() == [[True] * 3 + [False] * 5]
+
+
 def test_top_p_always_keeps_the_most_likely_token():
     logits = torch.tensor([[10.0, 0.0, 0.0, 0.0]])
     kept = torch.isfinite(warp_logits(logits, [SamplingParams(top_p=1e-9)]))
@@ -231,7 +278,8 @@ def test_mixed_batch_gives_each_row_what_it_gives_alone():
             one = sample(step_logits[pos:pos + 1], [r])
             n = r.params.logprobs or 0
             assert out.token_ids[pos] == one.token_ids[0], (step, order[pos])
-            assert out.logprobs[pos] == one.logprobs[0] and out.ranks[pos] == one.ranks[0]
+            assert out.ranks[pos] == one.ranks[0]
+            torch.testing.assert_close(out.logprobs[pos], one.logprobs[0], rtol=0, atol=0, equal_nan=True)
             assert torch.equal(out.top_ids[pos, :n], one.top_ids[0, :n])
             assert torch.equal(out.top_logprobs[pos, :n], one.top_logprobs[0, :n])
         penalised = apply_penalties(step_logits, batched)
@@ -239,6 +287,19 @@ def test_mixed_batch_gives_each_row_what_it_gives_alone():
         for pos in range(1, len(order)):
             alone_warped = warp_logits(apply_penalties(step_logits[pos:pos + 1], [alone[pos]]), [alone[pos].params])
             assert torch.equal(warped[pos - 1:pos], alone_warped)
+
+
+@pytest.mark.parametrize("block", [1024, 2, 3])
+@pytest.mark.parametrize("u, token", [(0.0, 0), (0.4, 1), (0.5, 3), (0.6, 3), (1 - 2**-53, 3)])
+def test_draw_never_lands_on_a_dropped_token(monkeypatch, block, u, token):
+    """The inverse transform picks the first token whose cumulative mass exceeds u times the total, in one block or
+    across several (a dropped token between kept ones, u * total exactly at a block's end, a padded last block); the
+    largest uniform torch.rand gives still lands on the last kept token, never on the zero-probability ones after
+    it."""
+    monkeypatch.setattr(sampling, "DRAW_BLOCK", block)
+    monkeypatch.setattr(torch, "rand", lambda n, **kwargs: torch.full((n,), u, dtype=torch.float64))
+    probs = torch.tensor([[0.25, 0.25, 0.0, 0.5, 0.0, 0.0, 0.0]])
+    assert sampling._draw(probs, [None]).tolist() == [token]
 
 
 def test_seeded_rows_reproduce_across_calls_and_batch_positions():
@@ -288,6 +349,15 @@ def test_frequencies_match_softmax(temperature):
     draws = 40_000
     tokens = sample(SMALL.expand(draws, -1), [row(temperature=temperature)] * draws).token_ids
     assert chi_square(tokens, torch.softmax(SMALL / temperature, -1)) < CHI2_5DF
+
+
+def test_frequencies_match_softmax_across_draw_blocks(monkeypatch):
+    """The two-level draw (block, then token in it) with blocks smaller than the vocabulary, the last one padded."""
+    monkeypatch.setattr(sampling, "DRAW_BLOCK", 4)
+    torch.manual_seed(3)
+    draws = 40_000
+    tokens = sample(SMALL.expand(draws, -1), [row()] * draws).token_ids
+    assert chi_square(tokens, torch.softmax(SMALL, -1)) < CHI2_5DF
 
 
 def test_seeded_frequencies_match_softmax():

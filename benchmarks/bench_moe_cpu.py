@@ -11,8 +11,10 @@ context) and a prefill of PREFILL = 128 tokens. Each point times the model forwa
 - in place, bf16 copy / fp32 copy: the same op on a dense copy held by RoutedExperts.hold_dense_copy.
 The paths run alternately, ROUNDS rounds of one step each after a warm-up; the table keeps each path's fastest step.
 A second table per model runs it in bfloat16 (weights, activations, KV cache; the experts' bf16 copy used in place) and
-compares the op's two grouped forms at the same points: torch._grouped_mm (a loop over the experts on the CPU) and
-one zero-padded torch.bmm over all experts (kestrel's form up to PADDED_ROWS rows per expert).
+compares at the same points torch._grouped_mm (a loop over the experts on the CPU) with the op's choice: one
+zero-padded torch.bmm over all experts up to PADDED_ROWS rows per expert, while the idle experts it reads cost less
+than the grouped GEMM's visits (EXPERT_VISIT_BYTES). A last table times the two forms of one grouped product of
+larger bf16 experts and shows which the op takes.
 "max |dlogit|" is the largest logit difference of the in-place packed path from the gather path at the prefill
 point; the time spent inside RoutedExperts.forward is given for each fastest step.
 Writes the section "moe-cpu" of docs/benchmarks.md.
@@ -222,7 +224,13 @@ def padded_rows(rows: dict[torch.dtype, int]) -> Iterator[None]:
         torch_moe.PADDED_ROWS = original
 
 
-GROUPED_FORMS = {"grouped GEMM (torch._grouped_mm)": {}, "padded bmm": torch_moe.PADDED_ROWS}
+GROUPED_FORMS = {"grouped GEMM (torch._grouped_mm)": {}, "the op's choice (padded bmm where it pays)":
+                 torch_moe.PADDED_ROWS}
+CHOICE_SHAPES = [(32, 192, 96, 2), (64, 512, 512, 4), (64, 1024, 512, 4), (128, 1024, 512, 8), (256, 512, 256, 8)]
+"""(experts, out, in, top-k) of the bf16 experts in the op-level table: the bundled model's gate/up product, the
+437M's, and larger experts (Kimi-Linear-48B's are 256 x [2048, 2304], top-8)."""
+CHOICE_TOKENS = (5, 8, 16, 32)
+CHOICE_CALLS = 10
 
 
 def measure_bf16(model: KimiForCausalLM) -> list[list[object]]:
@@ -244,6 +252,44 @@ def measure_bf16(model: KimiForCausalLM) -> list[list[object]]:
         for name, (seconds, experts) in best.items():
             rows.append([label, name, f"{sequences * new_tokens / seconds:,.1f}", f"{base / seconds:.2f}x",
                          f"{experts * 1e3:,.1f}"])
+            print(rows[-1], flush=True)
+    return rows
+
+
+def measure_choice() -> list[list[object]]:
+    """One grouped product (the op's _per_expert) of bf16 experts at few rows per expert, random routing:
+    torch._grouped_mm and the padded bmm, each the best of CHOICE_CALLS calls (alternating), and the form the op
+    takes (grouped, padded, or a product per expert where at most a quarter of the experts are in use)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for experts, out, inp, top_k in CHOICE_SHAPES:
+        weight = (torch.randn(experts, out, inp, generator=gen) * 0.05).to(torch.bfloat16)
+        for tokens in CHOICE_TOKENS:
+            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).flatten()
+            counts = torch.bincount(ids, minlength=experts).tolist()
+            x = torch.randn(len(ids), inp, generator=gen).to(torch.bfloat16)
+            ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+            forms = {"grouped": lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=ends),
+                     "padded": lambda: torch_moe._padded_bmm(x, counts, weight)}
+            best = {name: float("inf") for name in forms}
+            for _ in range(CHOICE_CALLS + 1):                         # the first call warms up
+                for name, form in forms.items():
+                    start = time.perf_counter()
+                    form()
+                    best[name] = min(best[name], time.perf_counter() - start)
+            used = sum(1 for c in counts if c)
+            taken = []
+            padded_bmm = torch_moe._padded_bmm
+            torch_moe._padded_bmm = lambda *args: taken.append("padded") or padded_bmm(*args)
+            try:
+                torch_moe._per_expert(x, counts, torch_moe.ExpertWeights(weight, weight, weight), "w1")
+            finally:
+                torch_moe._padded_bmm = padded_bmm
+            form = taken[0] if taken else "grouped" if 4 * used > experts else "per expert"
+            idle = (experts - used) * out * inp * 2 / used
+            rows.append([f"{experts} x [{out}, {inp}] top-{top_k}", tokens, used, max(counts),
+                         f"{idle / 1024:,.0f}", f"{best['grouped'] * 1e6:,.0f}", f"{best['padded'] * 1e6:,.0f}",
+                         form])
             print(rows[-1], flush=True)
     return rows
 
@@ -280,6 +326,18 @@ def main() -> None:
             markdown_table(["point", "grouped form", "tok/s", "vs torch._grouped_mm", "ms / step in routed experts"],
                            bf16_rows),
         ]
+    choice_rows = measure_choice()
+    sections += [
+        "### The op's choice at larger experts",
+        "One grouped product of bf16 experts (the op's `_per_expert`: the rows of T tokens routed top-k at random, "
+        f"grouped by expert): `torch._grouped_mm` and the padded `torch.bmm`, each the best of {CHOICE_CALLS} calls, "
+        "and the form the op takes: the padded bmm up to `PADDED_ROWS` rows per expert while the idle experts' "
+        f"bytes stay within `EXPERT_VISIT_BYTES` ({torch_moe.EXPERT_VISIT_BYTES // 1024} KiB) per expert in use, "
+        "since it reads every expert; else the grouped GEMM (or a product per expert where at most a quarter of "
+        "the experts are in use).",
+        markdown_table(["experts", "tokens", "experts in use", "most rows per expert",
+                        "idle KiB per expert in use", "grouped us", "padded us", "the op takes"], choice_rows),
+    ]
     load_after = os.getloadavg()[0]
     body = "\n\n".join([
         "## Routed experts on the CPU (moe-cpu)",
@@ -291,9 +349,10 @@ def main() -> None:
         f"alternately, {ROUNDS} rounds of one step each after a warm-up; each keeps its fastest step, and \"ms / "
         "step in routed experts\" is the time that step spent inside `RoutedExperts.forward`. Then the same model "
         "in bfloat16 (weights, activations and KV cache; the experts' bf16 copy used in place) under the op's two "
-        "grouped forms, alternating the same way: `torch._grouped_mm` (on the CPU a loop over the experts) and one "
-        "zero-padded `torch.bmm` over all experts, which the op uses up to `PADDED_ROWS` (16 in bfloat16) rows per "
-        "expert.",
+        "grouped forms, alternating the same way: `torch._grouped_mm` (on the CPU a loop over the experts) and the "
+        "op's choice, one zero-padded `torch.bmm` over all experts up to `PADDED_ROWS` (16 in bfloat16) rows per "
+        "expert while the idle experts' bytes stay within `EXPERT_VISIT_BYTES` per expert in use (the last table "
+        "measures that choice at larger experts).",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",
         *sections,

@@ -217,3 +217,21 @@ def test_few_rows_per_expert_run_as_one_padded_batched_gemm(dtype: torch.dtype, 
     assert len(calls) == (2 if fused else 3) and actual.dtype == dtype
     expected = per_token(z, ids, weights, experts, ACTIVATIONS["silu"])
     torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("num_experts, shape, used, padded", [
+    (32, (192, 96), 9, True),          # 23 idle experts of 36 KiB: 92 KiB per expert in use
+    (64, (512, 512), 56, True),        # 8 idle of 512 KiB: 73 KiB per expert in use
+    (64, (1024, 512), 20, False),      # 44 idle of 1 MiB: 2.2 MiB per expert in use
+    (256, (512, 256), 113, False),     # 143 idle of 256 KiB: 324 KiB per expert in use
+])
+def test_the_padded_bmm_reads_idle_experts_only_where_they_are_cheap(num_experts, shape, used, padded, monkeypatch):
+    """bf16 experts with few rows each take the padded bmm while the idle experts' bytes stay within
+    EXPERT_VISIT_BYTES per expert in use, and the grouped GEMM beyond (each form's result is tested above)."""
+    calls = []
+    monkeypatch.setattr(moe_module, "_padded_bmm", lambda *args: calls.append("padded") or _padded_bmm(*args))
+    weight = torch.zeros(num_experts, *shape, dtype=torch.bfloat16)
+    counts = [1] * used + [0] * (num_experts - used)
+    out = moe_module._per_expert(torch.ones(used, shape[1], dtype=torch.bfloat16), counts,
+                                 ExpertWeights(weight, weight, weight), "w1")
+    assert calls == (["padded"] if padded else []) and out.shape == (used, shape[0])

@@ -3,7 +3,8 @@
 The reference for the Triton grouped GEMM, and the CPU path itself. Token-expert pairs are sorted by expert, so each
 expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: the stacked
 dense weights in one grouped GEMM when they are in the activation dtype (no copy; in bf16 and fp16 few rows per
-expert are padded into one batched GEMM, `PADDED_ROWS`), or each expert's MXFP4 tile expanded for this call (only
+expert are padded into one batched GEMM, `PADDED_ROWS`, where the idle experts it also reads are cheap,
+`EXPERT_VISIT_BYTES`), or each expert's MXFP4 tile expanded for this call (only
 the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted rows are
 added back to their tokens with index_add. No weight matrix is copied per token.
 
@@ -37,12 +38,19 @@ _PAIR_INT = {2: torch.int32, 4: torch.int64}
 
 
 PADDED_ROWS = {torch.bfloat16: 16, torch.float16: 16}
-"""The most rows per expert for which _per_expert pads every expert's group to the largest and runs one batched
+"""The most rows per expert for which _per_expert may pad every expert's group to the largest and run one batched
 GEMM (torch.bmm) instead of torch._grouped_mm, which loops over the experts on the CPU. Measured on the CPU (2
 threads, 64 experts [512, 512] and [512, 256], 32 experts [192, 96]): a bf16 bmm costs about its weight read up to
 16 rows per expert, 1.8-10x faster than the grouped GEMM of the same rows. Never in float32: its bmm over every
 expert took 1.5-3x the grouped GEMM at 1-2 rows per expert (1 and 2 threads; at 2, 32 experts [192, 96] top-2, 5
 tokens: 353 against 203 us; 64 experts [512, 256] top-4, 5 tokens: 2.4 against 1.0 ms)."""
+
+EXPERT_VISIT_BYTES = 256 * 1024
+"""The bytes of weights read in the time torch._grouped_mm spends on one expert in use on the CPU (~15 us at ~20
+GB/s). The padded bmm reads every expert, idle ones too, so _per_expert takes it only while the idle experts' bytes
+stay within this many per expert in use: measured in bf16 on one thread (benchmarks/bench_moe_cpu.py, "the op's
+choice"), the bmm won up to ~275 KB of idle weights per expert in use and lost from ~330 KB (64 experts [1024, 512]
+top-4 at 5 tokens: 5.6 ms against 1.8 grouped, 2.3 MB idle per expert in use)."""
 
 
 _pair_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -168,8 +176,9 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
     expert's weight `name` (w1, w3, w13 or w2; transposed), in x's dtype.
 
     Dense weights already in x's dtype go to one grouped GEMM over all experts in place (torch._grouped_mm; an
-    expert without rows is an empty group; with at most PADDED_ROWS rows per expert, one padded torch.bmm) when
-    more than a quarter of the experts are in use, unless a gradient is wanted (no CPU backward); otherwise each
+    expert without rows is an empty group; with at most PADDED_ROWS rows per expert and idle experts worth at most
+    EXPERT_VISIT_BYTES per expert in use, one padded torch.bmm) when more than a quarter of the experts are in use,
+    unless a gradient is wanted (no CPU backward); otherwise each
     expert in use is multiplied in turn (a packed one expanded for its product only). On the CPU the grouped GEMM
     visits every expert, empty ones too: measured at one thread on 32 experts [96, 96], 33-36 us with 1 to 4 in use
     against 9-22 us for a product each, even at 8."""
@@ -177,7 +186,8 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
     groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
     if (not experts.mxfp4 and weight.dtype == x.dtype and 4 * len(groups) > len(counts)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        if max(counts) <= PADDED_ROWS.get(x.dtype, 0):
+        idle_bytes = (len(counts) - len(groups)) * weight[0].numel() * weight.element_size()
+        if max(counts) <= PADDED_ROWS.get(x.dtype, 0) and idle_bytes <= len(groups) * EXPERT_VISIT_BYTES:
             return _padded_bmm(x, counts, weight)
         ends = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)

@@ -543,7 +543,7 @@ class LLMEngine:
         seqs = [targets[i][0] for i in kept]
         rows = [self._sampling_row(s) for s in seqs]
         try:
-            batch = sample(logits[kept], rows)
+            batch = sample(logits if len(kept) == len(targets) else logits[kept], rows)    # (no copy when all kept)
             results = [(seq, batch, i) for i, seq in enumerate(seqs)]
         except Exception:   # find the row that fails: every other row is sampled on its own
             log.exception("batched sampling failed; sampling row by row")

@@ -188,16 +188,20 @@ WARP_SETTINGS = [
 ]
 
 
+def assert_warps_like_transformers(logits: torch.Tensor, settings: list[dict]) -> None:
+    """warp_logits over the batch keeps, row by row, the tokens transformers' warpers keep, with their values."""
+    params = [SamplingParams(**s) for s in settings]
+    ours = warp_logits(logits, params)
+    for i, p in enumerate(params):
+        theirs = hf_warp(logits[i:i + 1].clone(), p)
+        kept = torch.isfinite(theirs)
+        assert torch.equal(torch.isfinite(ours[i:i + 1]), kept), settings[i]
+        torch.testing.assert_close(ours[i:i + 1][kept], theirs[kept])
+
+
 def test_warping_matches_transformers_row_by_row_in_one_batch():
     for trial in range(5):
-        logits = random_logits(len(WARP_SETTINGS), seed=50 + trial)
-        params = [SamplingParams(**s) for s in WARP_SETTINGS]
-        ours = warp_logits(logits, params)
-        for i, p in enumerate(params):
-            theirs = hf_warp(logits[i:i + 1].clone(), p)
-            kept = torch.isfinite(theirs)
-            assert torch.equal(torch.isfinite(ours[i:i + 1]), kept), (trial, WARP_SETTINGS[i])
-            torch.testing.assert_close(ours[i:i + 1][kept], theirs[kept])
+        assert_warps_like_transformers(random_logits(len(WARP_SETTINGS), seed=50 + trial), WARP_SETTINGS)
 
 
 @pytest.mark.parametrize("candidates", [8, 16, 64])
@@ -210,14 +214,7 @@ def test_truncation_from_the_largest_logits_matches_transformers(monkeypatch, ca
                 dict(top_k=V - 1), dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.99), dict(top_p=1e-9),
                 dict(top_k=20, top_p=0.8), dict(top_k=3, top_p=0.5), dict(temperature=0.3, top_p=0.95)]
     for trial, scale in enumerate((3.0, 0.3, 8.0)):
-        logits = random_logits(len(settings), seed=90 + trial, scale=scale)
-        params = [SamplingParams(**s) for s in settings]
-        ours = warp_logits(logits, params)
-        for i, p in enumerate(params):
-            theirs = hf_warp(logits[i:i + 1].clone(), p)
-            kept = torch.isfinite(theirs)
-            assert torch.equal(torch.isfinite(ours[i:i + 1]), kept), (trial, settings[i])
-            torch.testing.assert_close(ours[i:i + 1][kept], theirs[kept])
+        assert_warps_like_transformers(random_logits(len(settings), seed=90 + trial, scale=scale), settings)
 
 
 def test_truncation_keeps_ties_with_the_kth_logit_outside_the_candidates(monkeypatch):

@@ -1,5 +1,5 @@
-"""kestrel.layers.linear: the oneDNN GEMM path equals F.linear (float32 rounding), traced and untraced; every other
-case is F.linear itself, gradients included."""
+"""kestrel.layers.linear: the oneDNN GEMM path and the blocked GEMM equal F.linear (float32 rounding), traced and
+untraced; every other case is F.linear itself, gradients included."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kestrel.layers.linear as linear_module
-from kestrel.layers.linear import ONEDNN_MIN_WEIGHT, Linear, linear, onednn_linear, prefers_onednn
+from kestrel.layers.linear import BLOCK, ONEDNN_MIN_WEIGHT, Linear, linear, onednn_linear, prefers_onednn
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -53,6 +53,31 @@ def test_the_custom_op_traces_into_a_compiled_graph(monkeypatch):
         traced = torch.compile(lambda x: linear(x, weight), backend="aot_eager", fullgraph=True)(x)
     assert torch.equal(traced, eager)
     torch.library.opcheck(onednn_linear, (x, weight, None), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("rows, out_features, onednn, blocked", [
+    ((4,), 2 * BLOCK, False, True), ((3, 5), 2 * BLOCK, False, True),     # 4 and 15 rows: by blocks
+    ((3,), 2 * BLOCK, False, False), ((16,), 2 * BLOCK, False, False),    # MKL's own passes are fine there
+    ((8,), 2 * BLOCK + 1, False, False),                                  # not a multiple of BLOCK
+    ((8,), 2 * BLOCK, True, False),                                       # oneDNN's CPUs take oneDNN
+])
+def test_mid_row_counts_against_large_weights_go_by_blocks(rows, out_features, onednn, blocked, monkeypatch):
+    """Where MKL runs, 4-15 rows against a large weight take blocked_linear, equal to F.linear in float32
+    rounding, eagerly and traced; other row counts and shapes do not."""
+    monkeypatch.setattr(linear_module, "ONEDNN", onednn)
+    for name in ("ONEDNN_MIN_WEIGHT", "BLOCKED_MIN_WEIGHT"):          # the weights here: 2 BLOCK x 512
+        monkeypatch.setattr(linear_module, name, 1 << 16)
+    monkeypatch.setattr(linear_module, "onednn_linear", lambda x, w, b: F.linear(x, w, b))
+    calls, blocked_linear = [], linear_module.blocked_linear
+    monkeypatch.setattr(linear_module, "blocked_linear", lambda *args: calls.append(1) or blocked_linear(*args))
+    weight, bias = weights(out_features, 512), torch.randn(out_features, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(*rows, 512, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        actual = linear(x, weight, bias)
+        traced = torch.compile(lambda x: linear(x, weight, bias), backend="aot_eager", fullgraph=True)(x)
+    assert bool(calls) == blocked and actual.shape == (*rows, out_features)
+    torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(traced, actual, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["grad enabled", "small weight", "bfloat16"])

@@ -1,0 +1,98 @@
+"""float32 linear layers on the CPU: kestrel.layers.linear.linear against F.linear (torch's own GEMM), one run.
+
+Weights of the 437M K3 in benchmarks/bench_llamacpp.py that reach BLOCKED_MIN_WEIGHT (its LM head [32000, 1024], its
+dense MLP's gate and up projections [5632, 1024]) and one of 1024 x 1024 below it, times 1 to 32 rows: the rows of a
+batched decode step or of a verification of a few drafts per sequence. At 1 and 2 torch threads; each point the
+median of ROUNDS calls after a warm-up, the two alternating. "kestrel's path" names what linear runs there (F.linear,
+oneDNN, or blocked_linear); "max |diff|" is the largest difference of its output from F.linear's.
+Writes the section "linear" of docs/benchmarks.md.
+
+Run: .venv/bin/python benchmarks/bench_linear.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from kestrel.layers import linear as linear_module  # noqa: E402
+
+COMMAND = ".venv/bin/python benchmarks/bench_linear.py"
+ROUNDS = 15
+SHAPES = {"LM head [32000, 1024]": (32000, 1024), "MLP gate/up [5632, 1024]": (5632, 1024),
+          "attention [1024, 1024]": (1024, 1024)}
+ROWS = (1, 3, 4, 8, 12, 15, 16, 32)
+THREADS = (1, 2)
+
+
+def path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Which GEMM kestrel's linear ran for x times weight."""
+    ran = []
+    saved = linear_module.blocked_linear, linear_module.onednn_linear
+    linear_module.blocked_linear = lambda *args: ran.append("blocked") or saved[0](*args)
+    linear_module.onednn_linear = lambda *args: ran.append("oneDNN") or saved[1](*args)
+    try:
+        linear_module.linear(x, weight)
+    finally:
+        linear_module.blocked_linear, linear_module.onednn_linear = saved
+    return ran[0] if ran else "F.linear"
+
+
+def milliseconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def main() -> None:
+    load_before = os.getloadavg()[0]
+    generator = torch.Generator().manual_seed(0)
+    table = []
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for name, shape in SHAPES.items():
+            weight = torch.randn(*shape, generator=generator) * shape[1] ** -0.5
+            for rows in ROWS:
+                x = torch.randn(rows, shape[1], generator=generator)
+                ours, theirs = (lambda: linear_module.linear(x, weight)), (lambda: F.linear(x, weight))
+                ours(), theirs()
+                times = [(milliseconds(ours), milliseconds(theirs)) for _ in range(ROUNDS)]
+                mine, torch_ms = (statistics.median(column) for column in zip(*times))
+                diff = float((ours() - theirs()).abs().max())
+                table.append([threads, name, rows, path(x, weight), f"{torch_ms:,.3f}", f"{mine:,.3f}",
+                              f"{torch_ms / mine:.2f}x", f"{diff:.1e}"])
+                print(table[-1], flush=True)
+    load_after = os.getloadavg()[0]
+    body = "\n\n".join([
+        "## float32 linear layers on the CPU (linear)",
+        "`kestrel.layers.linear.linear` against `F.linear` (torch's GEMM: MKL's sgemm on these builds) for weights "
+        "of the 437M K3 of the llamacpp section, times 1 to 32 rows (a batched decode step's, or a verification's "
+        "few drafts per sequence). Where MKL runs, kestrel multiplies "
+        f"{linear_module.BLOCKED_ROWS[0]}-{linear_module.BLOCKED_ROWS[1]} rows against weights of at least "
+        f"{linear_module.BLOCKED_MIN_WEIGHT:,} elements by blocks of {linear_module.BLOCK} weight rows in one "
+        "batched GEMM (`blocked_linear`), since MKL streams the whole weight once per two or three of those rows; "
+        "on CPUs that prefer oneDNN, weights of at least "
+        f"{linear_module.ONEDNN_MIN_WEIGHT:,} elements take oneDNN (this machine: "
+        f"{'oneDNN' if linear_module.ONEDNN else 'MKL'}). Milliseconds per call, medians of {ROUNDS} calls, the "
+        "two alternating.",
+        f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
+        "shared with other work, so compare the ratios, not the absolute times.",
+        markdown_table(["threads", "weight", "rows", "kestrel's path", "F.linear ms", "kestrel ms", "speedup",
+                        "max |diff|"], table),
+        f"Rerun: `{COMMAND}`",
+    ])
+    write_section("linear", body)
+
+
+if __name__ == "__main__":
+    main()

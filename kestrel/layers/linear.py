@@ -14,8 +14,8 @@ enabled), other dtypes and other devices take F.linear unchanged.
 
 Where MKL runs, products of 4 to 15 rows against large weights go by blocks (`blocked_linear`): MKL's sgemm streams
 the whole weight once per two or three of those rows (on the Intel Xeon, 2 threads: [3, 1024] x [1024, 32000] 3.0 ms,
-[4, ...] 5.5, [8, ...] 8.5, [12, ...] 11.8), a batched GEMM over blocks of the weight's rows keeps each block in
-cache for all of them (3.6, 4.6 and 5.7 ms; benchmarks/bench_linear.py, "linear"). Batched decode of 4-15 sequences
+[4, ...] 5.6, [8, ...] 9.1, [12, ...] 12.4), a batched GEMM over blocks of the weight's rows keeps each block in
+cache for all of them (3.7, 4.9 and 6.1 ms; benchmarks/bench_linear.py, "linear"). Batched decode of 4-15 sequences
 and verifications of a few drafts per sequence are such products.
 """
 

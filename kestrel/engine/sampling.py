@@ -347,15 +347,18 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
         if generator is not None:
             u[i] = torch.rand(1, generator=generator, dtype=torch.float64, device=device)[0]
     rows, vocab_size = probs.shape
-    blocks = torch.nn.functional.pad(probs, (0, -vocab_size % DRAW_BLOCK)).view(rows, -1, DRAW_BLOCK)
-    # the block holding u's token, then the token within it (u < 1 keeps u * total below the total, so the search
-    # stops at or before the last block, and the last token, with mass)
+    if vocab_size % DRAW_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, -vocab_size % DRAW_BLOCK))
+    blocks = probs.view(rows, -1, DRAW_BLOCK)
+    # the block holding u's token (u < 1 keeps u * total below the total: a block with mass), then the token in it,
+    # at most its last token with mass (its float32 sum may round above its tokens' float64 one)
     cumulative = blocks.sum(-1).double().cumsum(-1)                                   # [S, blocks]
     target = u[:, None] * cumulative[:, -1:]
-    block = torch.searchsorted(cumulative, target, right=True).clamp_(max=blocks.shape[1] - 1)
+    block = torch.searchsorted(cumulative, target, right=True)
     before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)), 0.0)
     within = blocks.gather(1, block[:, :, None].expand(-1, -1, DRAW_BLOCK))[:, 0].double().cumsum(-1)
-    offset = torch.searchsorted(within, target - before, right=True).clamp_(max=DRAW_BLOCK - 1)
+    last = torch.searchsorted(within, within[:, -1:].contiguous())                    # its last token with mass
+    offset = torch.minimum(torch.searchsorted(within, target - before, right=True), last)
     return (block * DRAW_BLOCK + offset)[:, 0]
 
 

@@ -348,6 +348,16 @@ def test_frequencies_match_softmax(temperature):
     assert chi_square(tokens, torch.softmax(SMALL / temperature, -1)) < CHI2_5DF
 
 
+def test_draw_stays_on_the_kept_tokens_of_a_block_whose_sum_rounds_up(monkeypatch):
+    """A block's float32 sum can round above its tokens' float64 cumulative mass; a u landing in between still
+    draws a kept token of that block."""
+    monkeypatch.setattr(sampling, "DRAW_BLOCK", 4)
+    monkeypatch.setattr(torch, "rand", lambda n, **kwargs: torch.full((n,), 1 - 2**-53, dtype=torch.float64))
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.0]])                # float32 0.1 + 0.2 + 0.3 exceeds the float64 sum
+    assert float(probs.sum()) > float(probs.double().cumsum(-1)[0, -1])
+    assert sampling._draw(probs, [None]).tolist() == [2]
+
+
 def test_frequencies_match_softmax_across_draw_blocks(monkeypatch):
     """The two-level draw (block, then token in it) with blocks smaller than the vocabulary, the last one padded."""
     monkeypatch.setattr(sampling, "DRAW_BLOCK", 4)

@@ -49,8 +49,8 @@ EXPERT_VISIT_BYTES = 256 * 1024
 """The bytes of weights read in the time torch._grouped_mm spends on one expert in use on the CPU (~15 us at ~20
 GB/s). The padded bmm reads every expert, idle ones too, so _per_expert takes it only while the idle experts' bytes
 stay within this many per expert in use: measured in bf16 on one thread (benchmarks/bench_moe_cpu.py, "the op's
-choice"), the bmm won up to ~275 KB of idle weights per expert in use and lost from ~330 KB (64 experts [1024, 512]
-top-4 at 5 tokens: 5.6 ms against 1.8 grouped, 2.3 MB idle per expert in use)."""
+choice"), the bmm won up to ~300 KiB of idle weights per expert in use and lost from ~330 KiB (64 experts [1024,
+512] top-4 at 5 tokens: 4.8 ms against 1.7 grouped, 2.4 MiB idle per expert in use)."""
 
 
 _pair_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -178,10 +178,9 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
     Dense weights already in x's dtype go to one grouped GEMM over all experts in place (torch._grouped_mm; an
     expert without rows is an empty group; with at most PADDED_ROWS rows per expert and idle experts worth at most
     EXPERT_VISIT_BYTES per expert in use, one padded torch.bmm) when more than a quarter of the experts are in use,
-    unless a gradient is wanted (no CPU backward); otherwise each
-    expert in use is multiplied in turn (a packed one expanded for its product only). On the CPU the grouped GEMM
-    visits every expert, empty ones too: measured at one thread on 32 experts [96, 96], 33-36 us with 1 to 4 in use
-    against 9-22 us for a product each, even at 8."""
+    unless a gradient is wanted (no CPU backward); otherwise each expert in use is multiplied in turn (a packed one
+    expanded for its product only). On the CPU the grouped GEMM visits every expert, empty ones too: measured at one
+    thread on 32 experts [96, 96], 33-36 us with 1 to 4 in use against 9-22 us for a product each, even at 8."""
     weight = getattr(experts, name)
     groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
     if (not experts.mxfp4 and weight.dtype == x.dtype and 4 * len(groups) > len(counts)

@@ -85,8 +85,10 @@ def main() -> None:
         f"{linear_module.ONEDNN_MIN_WEIGHT:,} elements take oneDNN (this machine: "
         f"{'oneDNN' if linear_module.ONEDNN else 'MKL'}). Milliseconds per call, medians of {ROUNDS} calls, the "
         "two alternating.",
-        f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
-        "shared with other work, so compare the ratios, not the absolute times.",
+        f"{machine().split(',')[0]}, torch {torch.__version__}, at "
+        f"{' and '.join(map(str, THREADS))} torch threads (the table's first column); load average "
+        f"{load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores shared with other work, so compare "
+        "the ratios, not the absolute times.",
         markdown_table(["threads", "weight", "rows", "kestrel's path", "F.linear ms", "kestrel ms", "speedup",
                         "max |diff|"], table),
         f"Rerun: `{COMMAND}`",

@@ -84,11 +84,17 @@ def previous_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResu
 
 
 def sorted_whole(logits: torch.Tensor, params: SamplingParams) -> int:
-    """How many rows of logits keep a top_k / top_p set that reaches past their TOP_CANDIDATES largest logits."""
-    if logits.shape[1] <= sampling.TOP_CANDIDATES or not (params.top_k or params.top_p < 1):
+    """How many rows of logits kestrel's truncation sorted whole (their kept tokens may reach past the candidates)."""
+    if not (params.top_k or params.top_p < 1):
         return 0
-    kept = torch.isfinite(warp_logits(logits, [params] * logits.shape[0])).sum(-1)
-    return int((kept >= sampling.TOP_CANDIDATES).sum())
+    rows = []
+    sort = sampling._top_k_top_p_sorted
+    sampling._top_k_top_p_sorted = lambda part, *args: rows.append(part.shape[0]) or sort(part, *args)
+    try:
+        warp_logits(logits, [params] * logits.shape[0])
+    finally:
+        sampling._top_k_top_p_sorted = sort
+    return sum(rows)
 
 
 def same_kept(logits: torch.Tensor, params: SamplingParams) -> int:

@@ -227,16 +227,20 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
 
-def mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place on logits [R, V]: -inf on each row's stop tokens (and EOS unless ignore_eos) until min_tokens."""
+def mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits [R, V] -> logits with -inf on each row's stop tokens (and EOS unless ignore_eos) until min_tokens: a
+    copy where any token is masked, else logits themselves."""
     pairs = []
     for i, row in enumerate(rows):
         if len(row.output_ids) < row.params.min_tokens:
             stops = list(row.params.stop_token_ids) + ([] if row.params.ignore_eos else list(row.eos_token_ids))
             pairs += [(i, token) for token in stops if token < logits.shape[1]]
-    if pairs:
-        index = torch.tensor(pairs, dtype=torch.int64, device=logits.device)
-        logits[index[:, 0], index[:, 1]] = float("-inf")
+    if not pairs:
+        return logits
+    index = torch.tensor(pairs, dtype=torch.int64, device=logits.device)
+    logits = logits.clone()
+    logits[index[:, 0], index[:, 1]] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -277,8 +281,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p_drop: tor
     """
     vocab_size = logits.shape[1]
     unlimited = top_k >= vocab_size
+    any_unlimited = bool(unlimited.any())
     # top_k alone needs one candidate past the k-th (to see a tie at the edge)
-    width = TOP_CANDIDATES if unlimited.any() else min(int(top_k.max()) + 1, TOP_CANDIDATES)
+    width = TOP_CANDIDATES if any_unlimited else min(int(top_k.max()) + 1, TOP_CANDIDATES)
     if vocab_size <= width:
         return _top_k_top_p_sorted(logits, top_k, top_p_drop)
     values, ids = logits.topk(width, dim=-1)                                 # [S, C] descending
@@ -288,7 +293,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p_drop: tor
     values = values.masked_fill(~unlimited[:, None] & (values < kth), float("-inf"))
     # the mass outside the candidates: all of it is dropped when it is at most 1 - top_p (else the row is sorted)
     norm = values.logsumexp(-1)             # a top_k row's whole mass lies in the candidates, an unlimited row's not
-    if unlimited.any():
+    if any_unlimited:
         norm = torch.where(unlimited, logits.logsumexp(-1), norm)
     probs = (values - norm[:, None]).exp()
     outside = (1 - probs.sum(-1, keepdim=True)).clamp(min=0) * unlimited[:, None]
@@ -372,11 +377,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [rows, vocab] with one row per SamplingRow ({len(rows)}), "
                          f"got shape {tuple(logits.shape)}.")
+    work = mask_stop_tokens(logits.float(), rows)               # (logits themselves where nothing is masked)
     constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
-    masked = constrained or any(len(row.output_ids) < row.params.min_tokens for row in rows)
-    work = logits.to(torch.float32, copy=bool(masked))                # the masks below write in place
-    mask_stop_tokens(work, rows)
-    apply_token_bitmasks(work, constrained, [rows[i].token_bitmask for i in constrained])
+    if constrained:
+        if work is logits:                                      # the bitmasks apply in place
+            work = work.clone()
+        apply_token_bitmasks(work, constrained, [rows[i].token_bitmask for i in constrained])
     work = apply_penalties(work, rows)
     token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]

@@ -172,7 +172,18 @@ def test_min_tokens_blocks_stop_tokens_and_eos_unless_ignored():
             row(output=[2], eos=[0], temperature=0, min_tokens=2, stop_token_ids=[1]),  # eos and stop blocked
             row(output=[2], eos=[0], temperature=0, min_tokens=2, ignore_eos=True),
             row(output=[2, 2], eos=[0], temperature=0, min_tokens=2)]                 # min_tokens reached
+    before = logits.clone()
     assert sample(logits, rows).token_ids.tolist() == [1, 2, 0, 0]
+    assert torch.equal(logits, before)                            # the masks went on a copy
+
+
+def test_token_bitmasks_constrain_their_rows_on_a_copy():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 2)
+    rows = [row(temperature=0), row(temperature=0)]
+    rows[1].token_bitmask = torch.tensor([1 << 2], dtype=torch.int32)          # only token 2 may come next
+    before = logits.clone()
+    assert sample(logits, rows).token_ids.tolist() == [0, 2]
+    assert torch.equal(logits, before)
 
 
 # --- temperature, min_p, top_k, top_p ---------------------------------------------------------------------------

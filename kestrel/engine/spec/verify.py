@@ -27,9 +27,7 @@ def verify(logits: torch.Tensor, draft: list[int], row: SamplingRow) -> list[int
     for i in range(len(draft) + 1):
         step = SamplingRow(row.params, row.prompt_ids, [*row.output_ids, *emitted], row.generator,
                            row.eos_token_ids)
-        work = logits[i:i + 1].clone()
-        mask_stop_tokens(work, [step])
-        work = apply_penalties(work, [step])
+        work = apply_penalties(mask_stop_tokens(logits[i:i + 1], [step]), [step])
         guess = draft[i] if i < len(draft) else None
         if row.params.greedy:
             best = int(work[0].argmax())

@@ -4,9 +4,9 @@ The reference for the Triton grouped GEMM, and the CPU path itself. Token-expert
 expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: the stacked
 dense weights in one grouped GEMM when they are in the activation dtype (no copy; in bf16 and fp16 few rows per
 expert are padded into one batched GEMM, `PADDED_ROWS`, where the idle experts it also reads are cheap,
-`EXPERT_VISIT_BYTES`), or each expert's MXFP4 tile expanded for this call (only
-the experts in use, one tile at a time). The gated activation runs once over all pairs, and the weighted rows are
-added back to their tokens with index_add. No weight matrix is copied per token.
+`EXPERT_VISIT_BYTES`), or each expert's MXFP4 tile expanded for this call (only the experts in use, one tile at a
+time). The gated activation runs once over all pairs, and the weighted rows are added back to their tokens with
+index_add. No weight matrix is copied per token.
 
 MXFP4 on the CPU: three compute formats, measured by benchmarks/bench_moe_cpu.py (docs/benchmarks.md, "moe-cpu") on
 a 437M-parameter K3 (64 experts top-4, 11 MoE layers, 277M routed weights) in float32, one thread; time per step

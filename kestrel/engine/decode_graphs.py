@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch._dynamo
 
 from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch._dynamo
 
 from ...models.block_draft import BlockDraftModel, block_logits
 from ...models.kimi import KimiForCausalLM

@@ -36,7 +36,6 @@ from functools import cache, lru_cache, reduce
 from itertools import accumulate
 
 import torch
-import torch._dynamo
 
 log = logging.getLogger("kestrel")
 

@@ -5,6 +5,8 @@ dense MLP's gate and up projections [5632, 1024]) and one of 1024 x 1024 below i
 batched decode step or of a verification of a few drafts per sequence. At 1 and 2 torch threads; each point the
 median of ROUNDS calls after a warm-up, the two alternating. "kestrel's path" names what linear runs there (F.linear,
 oneDNN, or blocked_linear); "max |diff|" is the largest difference of its output from F.linear's.
+Then the layout `hold_column_major` chooses: F.linear against the same weight held column-major, for the bundled
+model's shapes and ones either side of the rule (COLUMN_MAJOR_SHAPES), at 1, 5, 8 and 32 rows.
 Writes the section "linear" of docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_linear.py
@@ -31,6 +33,10 @@ ROUNDS = 15
 SHAPES = {"LM head [32000, 1024]": (32000, 1024), "MLP gate/up [5632, 1024]": (5632, 1024),
           "attention [1024, 1024]": (1024, 1024)}
 ROWS = (1, 3, 4, 8, 12, 15, 16, 32)
+COLUMN_MAJOR_SHAPES = {"bundled attention [192, 192]": (192, 192), "bundled draft MLP [768, 192]": (768, 192),
+                       "bundled LM head [4096, 192]": (4096, 192), "[1024, 256]": (1024, 256),
+                       "[4, 192]": (4, 192), "[1024, 512]": (1024, 512), "[256, 1024]": (256, 1024)}
+COLUMN_MAJOR_ROWS = (1, 5, 8, 32)
 THREADS = (1, 2)
 
 
@@ -53,6 +59,32 @@ def milliseconds(fn) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
+def medians(first, second) -> tuple[float, float]:
+    """Median milliseconds of ROUNDS calls of each, alternating, after one call of each."""
+    first(), second()
+    times = [(milliseconds(first), milliseconds(second)) for _ in range(ROUNDS)]
+    return tuple(statistics.median(column) for column in zip(*times))
+
+
+def layouts(generator: torch.Generator) -> list[list]:
+    """Rows of the layout table: F.linear against each COLUMN_MAJOR_SHAPES weight held row- and column-major."""
+    table = []
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for name, shape in COLUMN_MAJOR_SHAPES.items():
+            weight = torch.randn(*shape, generator=generator) * shape[1] ** -0.5
+            column_major = weight.t().contiguous().t()
+            for rows in COLUMN_MAJOR_ROWS:
+                x = torch.randn(rows, shape[1], generator=generator)
+                row_ms, column_ms = medians(lambda: F.linear(x, weight), lambda: F.linear(x, column_major))
+                diff = float((F.linear(x, column_major) - F.linear(x, weight)).abs().max())
+                table.append([threads, name, rows, "yes" if linear_module.column_major_pays(weight) else "no",
+                              f"{1e3 * row_ms:,.1f}", f"{1e3 * column_ms:,.1f}", f"{row_ms / column_ms:.2f}x",
+                              f"{diff:.1e}"])
+                print(table[-1], flush=True)
+    return table
+
+
 @torch.inference_mode()
 def main() -> None:
     load_before = os.getloadavg()[0]
@@ -65,13 +97,12 @@ def main() -> None:
             for rows in ROWS:
                 x = torch.randn(rows, shape[1], generator=generator)
                 ours, theirs = (lambda: linear_module.linear(x, weight)), (lambda: F.linear(x, weight))
-                ours(), theirs()
-                times = [(milliseconds(ours), milliseconds(theirs)) for _ in range(ROUNDS)]
-                mine, torch_ms = (statistics.median(column) for column in zip(*times))
+                mine, torch_ms = medians(ours, theirs)
                 diff = float((ours() - theirs()).abs().max())
                 table.append([threads, name, rows, path(x, weight), f"{torch_ms:,.3f}", f"{mine:,.3f}",
                               f"{torch_ms / mine:.2f}x", f"{diff:.1e}"])
                 print(table[-1], flush=True)
+    layout_table = layouts(generator)
     load_after = os.getloadavg()[0]
     body = "\n\n".join([
         "## float32 linear layers on the CPU (linear)",
@@ -91,6 +122,15 @@ def main() -> None:
         "the ratios, not the absolute times.",
         markdown_table(["threads", "weight", "rows", "kestrel's path", "F.linear ms", "kestrel ms", "speedup",
                         "max |diff|"], table),
+        "### Column-major weights",
+        "For inference kestrel holds the float32 weights that `linear` leaves to F.linear column-major (same shape "
+        "and values, transposed storage; `hold_column_major`) where they have at most "
+        f"{linear_module.COLUMN_MAJOR_MAX_IN} input features and at least {linear_module.COLUMN_MAJOR_MIN_OUT} "
+        "outputs (\"held\"). F.linear against the weight held row-major (as stored) and column-major, the bundled "
+        "model's shapes and ones either side of the rule; microseconds per call, medians of "
+        f"{ROUNDS} calls, the two alternating.",
+        markdown_table(["threads", "weight", "rows", "held", "row-major us", "column-major us", "speedup",
+                        "max |diff|"], layout_table),
         f"Rerun: `{COMMAND}`",
     ])
     write_section("linear", body)

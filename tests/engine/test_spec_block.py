@@ -8,6 +8,7 @@ import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
+from kestrel.layers.linear import Linear, column_major_pays
 from helpers import assert_idle
 
 DRAFT = BUNDLED_MODEL.parent / "k3.1-tiny-dflash"
@@ -24,6 +25,10 @@ def test_dflash_greedy_speculation_equals_plain_greedy():
     stats = spec.engine.spec_stats
     assert stats.verifications > 0 and stats.accepted_tokens > 0
     assert_idle(spec.engine.scheduler)
+    for model in (spec.engine.model, spec.engine.drafter.draft_model):      # both held as column_major_pays says
+        held = [m.weight.stride() == (1, m.out_features) for m in model.modules()
+                if isinstance(m, Linear) and column_major_pays(m.weight)]
+        assert held and all(held)
 
 
 def test_the_block_drafts_weights_are_in_the_memory_plan():

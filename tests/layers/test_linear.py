@@ -1,5 +1,6 @@
 """kestrel.layers.linear: the oneDNN GEMM path and the blocked GEMM equal F.linear (float32 rounding), traced and
-untraced; every other case is F.linear itself, gradients included."""
+untraced; every other case is F.linear itself, gradients included; hold_column_major re-lays exactly the weights
+its rule names, keeping their values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import kestrel.layers.linear as linear_module
-from kestrel.layers.linear import BLOCK, ONEDNN_MIN_WEIGHT, Linear, linear, onednn_linear, prefers_onednn
+from kestrel.layers.linear import (BLOCK, ONEDNN_MIN_WEIGHT, Linear, hold_column_major, linear, onednn_linear,
+                                   prefers_onednn)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -101,3 +103,34 @@ def test_the_module_trains_like_nn_linear():
     theirs(x).square().sum().backward()
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert torch.equal(ours.weight.grad, theirs.weight.grad) and torch.equal(ours.bias.grad, theirs.bias.grad)
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_hold_column_major_re_lays_the_small_input_weights_f_linear_runs(onednn, monkeypatch):
+    """Float32 weights of at most 384 inputs and at least 16 outputs that `linear` leaves to F.linear become
+    column-major with the same values (outputs equal F.linear's within float32 rounding); wider inputs, fewer
+    outputs, other dtypes, weights `linear` hands to oneDNN or blocks, and an LM head tied to its embedding keep
+    their layout."""
+    monkeypatch.setattr(linear_module, "ONEDNN", onednn)
+    # where MKL runs, "big" [512, 384] goes by blocks; oneDNN's CPUs leave it (below ONEDNN_MIN_WEIGHT) to F.linear
+    monkeypatch.setattr(linear_module, "BLOCKED_MIN_WEIGHT", 1 << 16)
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(32, 192)} | {
+        name: Linear(i, o, bias=name == "proj") for name, (o, i) in {
+            "proj": (192, 192), "narrow": (16, 384), "wide": (192, 512), "few": (15, 192), "bf16": (64, 192),
+            "head": (32, 192), "big": (512, 384)}.items()})
+    model["bf16"].to(torch.bfloat16)
+    model["head"].weight = model["embed"].weight
+    before = {name: m.weight.detach().clone() for name, m in model.items()}
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        expected = {name: F.linear(x[:, :m.in_features].to(m.weight.dtype), before[name],
+                                   m.bias) for name, m in model.items() if isinstance(m, Linear)}
+        assert hold_column_major(model) == 2 + onednn
+        for name, m in model.items():
+            if isinstance(m, Linear):
+                column_major = name in ("proj", "narrow") or (name == "big" and onednn)
+                assert m.weight.stride() == ((1, m.out_features) if column_major else (m.in_features, 1)), name
+                assert torch.equal(m.weight, before[name])
+                actual = linear(x[:, :m.in_features].to(m.weight.dtype), m.weight, m.bias)
+                torch.testing.assert_close(actual, expected[name], atol=1e-5, rtol=1e-5)
+    assert model["head"].weight is model["embed"].weight and model["embed"].weight.is_contiguous()

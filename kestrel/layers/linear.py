@@ -116,13 +116,11 @@ def hold_column_major(model: nn.Module) -> int:
     to the embedding) keep their layout. For inference: training's GEMMs were not measured."""
     shared = {id(p) for module in model.modules() if not isinstance(module, Linear)
               for p in module.parameters(recurse=False)}
-    held = 0
-    for module in model.modules():
-        weight = module.weight if isinstance(module, Linear) else None
-        if weight is not None and id(weight) not in shared and column_major_pays(weight) and weight.is_contiguous():
-            weight.data = weight.data.t().contiguous().t()
-            held += 1
-    return held
+    held = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and id(m.weight) not in shared
+            and column_major_pays(m.weight) and m.weight.is_contiguous()}
+    for weight in held.values():
+        weight.data = weight.data.t().contiguous().t()
+    return len(held)
 
 
 class Linear(nn.Linear):

@@ -8,8 +8,6 @@ sequence at a time. fla computes in float32. Tolerance for float32 outputs and s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -280,25 +278,6 @@ def test_uniform_steps_equal_the_naive_recurrence_token_by_token(gate: str, leng
                   "cu_seqlens": torch.arange(4) * (t + 1), "initial_state": inputs["initial_state"]}
         _, states = naive_per_sequence(prefix)
         assert_close_to(token_states[:, t], states, f"states after token {t}")
-
-
-def test_traced_uniform_steps_solve_by_substitution_and_equal_the_eager_solve() -> None:
-    """Traced by torch.compile, recurrent_kda_uniform solves its triangular system by rounds of substitution (no
-    triangular solve in the graph); same outputs and states as the eager triangular solve."""
-    inputs = make_inputs([5] * 2, GATES[0])
-    per_sequence = [inputs[name].unflatten(0, (2, 5)) for name in ("q", "k", "v", "g", "beta")]
-    eager = recurrent_kda_uniform(*per_sequence, inputs["initial_state"])
-    graphs = []
-
-    def backend(graph: torch.fx.GraphModule, example_inputs) -> Callable:
-        graphs.append(graph.code)
-        return graph.forward
-
-    traced = torch.compile(recurrent_kda_uniform, backend=backend, fullgraph=True)(*per_sequence,
-                                                                                  inputs["initial_state"])
-    assert len(graphs) == 1 and "solve_triangular" not in graphs[0] and "matmul" in graphs[0]
-    for actual, expected in zip(traced, eager):
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("gate", GATES)

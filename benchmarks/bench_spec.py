@@ -7,8 +7,9 @@ steps, so near-ties can flip) with the MXFP4 experts held as a float32 copy (pac
 greedy, EOS ignored. Two workloads from the held-out sample
 (heldout_sample.txt): "held-out" continues 64-token stretches of it; "quoting" gives a 96-token stretch and then
 its first 32 tokens again, the shape of agentic traffic that quotes earlier text (tool results, code under edit).
-Every configuration runs once untimed (a compiled one compiles its shapes then), then ROUNDS times, alternating,
-and keeps its best time; compiled configurations (enable_torch_compile) are compared with plain compiled decoding.
+Every configuration runs once untimed (a compiled one compiles its shapes then), then ROUNDS times, the
+configurations taking turns group by group (a slow spell of the shared machine falls on all alike), and keeps its
+best time; compiled configurations (enable_torch_compile) are compared with plain compiled decoding.
 "acceptance length" is the mean number of tokens a verification step emits (accepted drafts plus the target's own
 token); "same tokens" counts requests whose tokens equal plain (eager) decoding's.
 Writes the section "spec" of docs/benchmarks.md.
@@ -32,7 +33,7 @@ from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_spec.py"
-ROUNDS = 2
+ROUNDS = 3
 OUTPUT_TOKENS = 96
 DFLASH = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 4,
           "speculative_draft_model_path": str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")}
@@ -66,19 +67,41 @@ def workloads(ids: list[int]) -> dict[str, list[list[int]]]:
     return {"held-out": held_out, "quoting": quoting}
 
 
-def run(llm: LLM, prompts: list[list[int]], concurrency: int) -> tuple[float, list[list[int]], float]:
-    """Seconds, tokens per request and the acceptance length of serving the prompts `concurrency` at a time, one
-    group after another."""
-    stats = llm.engine.spec_stats
-    steps, accepted = stats.verifications, stats.accepted_tokens
+def serve(llm: LLM, group: list[list[int]]) -> tuple[float, list[list[int]]]:
+    """Seconds and tokens per request of serving one group of prompts at once."""
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     start = time.perf_counter()
-    outputs = [output for first in range(0, len(prompts), concurrency)
-               for output in llm.generate([{"prompt_token_ids": p} for p in prompts[first:first + concurrency]],
-                                          params)]
-    seconds = time.perf_counter() - start
-    steps, accepted = stats.verifications - steps, stats.accepted_tokens - accepted
-    return seconds, [o.outputs[0].token_ids for o in outputs], (accepted + steps) / steps if steps else 1.0
+    outputs = llm.generate([{"prompt_token_ids": p} for p in group], params)
+    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+
+
+def measure(engines: dict[str, LLM], names: list[str], prompts: list[list[int]], concurrency: int
+            ) -> dict[str, tuple[float, list[list[int]], float]]:
+    """Per configuration: the best of ROUNDS times to serve the prompts `concurrency` at a time, one group after
+    another; its tokens per request; its acceptance length. Each configuration serves every group once untimed
+    first; then, round by round and group by group, the configurations take turns, so a slow spell of a shared
+    machine falls on all of them alike."""
+    groups = [prompts[first:first + concurrency] for first in range(0, len(prompts), concurrency)]
+    for name in names:
+        for group in groups:
+            serve(engines[name], group)                # warm-up (compiles the compiled steps' shapes)
+    stats = {name: engines[name].engine.spec_stats for name in names}
+    before = {name: (s.verifications, s.accepted_tokens) for name, s in stats.items()}
+    seconds = {name: [0.0] * ROUNDS for name in names}
+    tokens: dict[str, list[list[int]]] = {name: [] for name in names}
+    for r in range(ROUNDS):
+        for group in groups:
+            for name in names:
+                elapsed, group_tokens = serve(engines[name], group)
+                seconds[name][r] += elapsed
+                if r == ROUNDS - 1:
+                    tokens[name] += group_tokens
+    results = {}
+    for name in names:
+        steps = stats[name].verifications - before[name][0]
+        accepted = stats[name].accepted_tokens - before[name][1]
+        results[name] = (min(seconds[name]), tokens[name], (accepted + steps) / steps if steps else 1.0)
+    return results
 
 
 def main() -> None:
@@ -91,21 +114,13 @@ def main() -> None:
     rows = []
     for workload, prompts in workloads(ids).items():
         for concurrency, names in sorted(CONCURRENCY.items()):
-            for name in names:
-                run(engines[name], prompts, concurrency)        # warm-up (compiles the compiled steps' shapes)
-            best = {name: float("inf") for name in names}
-            results = {}
-            for _ in range(ROUNDS):
-                for name in names:
-                    seconds, tokens, acceptance = run(engines[name], prompts, concurrency)
-                    best[name] = min(best[name], seconds)
-                    results[name] = (tokens, acceptance)
+            results = measure(engines, names, prompts, concurrency)
             produced = OUTPUT_TOKENS * len(prompts)
             for name in names:
-                tokens, acceptance = results[name]
-                same = sum(a == b for a, b in zip(tokens, results["plain"][0]))
-                rows.append([workload, concurrency, name, f"{produced / best[name]:,.1f}",
-                             f"{best[baseline(name)] / best[name]:.2f}x",
+                seconds, tokens, acceptance = results[name]
+                same = sum(a == b for a, b in zip(tokens, results["plain"][1]))
+                rows.append([workload, concurrency, name, f"{produced / seconds:,.1f}",
+                             f"{results[baseline(name)][0] / seconds:.2f}x",
                              f"{acceptance:.2f}" if "plain" not in name else "-", f"{same}/{len(prompts)}"])
                 print(rows[-1], flush=True)
     load_after = os.getloadavg()[0]
@@ -125,7 +140,7 @@ def main() -> None:
         "eager decoding. \"off above 1 sequence\": `speculative_disable_by_batch_size` 1, no drafts while more "
         "than one sequence runs (compiled, speculation stops paying at 2). Acceptance length: tokens emitted per "
         "verification step. Each configuration ran once untimed (compiling its shapes), "
-        f"then {ROUNDS} times, alternating; the table keeps the best time. \"same tokens as plain\": against plain "
+        f"then {ROUNDS} times, the configurations taking turns group by group; the table keeps the best time. \"same tokens as plain\": against plain "
         "eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",

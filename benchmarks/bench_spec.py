@@ -140,8 +140,8 @@ def main() -> None:
         "eager decoding. \"off above 1 sequence\": `speculative_disable_by_batch_size` 1, no drafts while more "
         "than one sequence runs (compiled, speculation stops paying at 2). Acceptance length: tokens emitted per "
         "verification step. Each configuration ran once untimed (compiling its shapes), "
-        f"then {ROUNDS} times, the configurations taking turns group by group; the table keeps the best time. \"same tokens as plain\": against plain "
-        "eager decoding.",
+        f"then {ROUNDS} times, the configurations taking turns group by group; the table keeps the best time. "
+        "\"same tokens as plain\": against plain eager decoding.",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",
         markdown_table(["workload", "concurrency", "drafts", "output tok/s", "vs plain", "acceptance length",

@@ -87,10 +87,15 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
+def _large(weight: torch.Tensor) -> bool:
+    """Whether `linear` may hand weight to oneDNN or blocked_linear (both read it row-major) instead of F.linear."""
+    return weight.numel() >= (ONEDNN_MIN_WEIGHT if ONEDNN else BLOCKED_MIN_WEIGHT)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out]; oneDNN where it is the faster GEMM, by blocks where
     MKL would stream the weight once per few rows (module docstring)."""
-    if (weight.numel() >= (ONEDNN_MIN_WEIGHT if ONEDNN else BLOCKED_MIN_WEIGHT) and x.device.type == "cpu"
+    if (_large(weight) and x.device.type == "cpu"
             and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()):
         rows = x.reshape(-1, x.shape[-1])
         if ONEDNN:
@@ -105,8 +110,7 @@ def column_major_pays(weight: torch.Tensor) -> bool:
     """Whether MKL multiplies by weight [out, in] faster held column-major (module docstring): float32 on the CPU,
     left to F.linear by `linear`, at most COLUMN_MAJOR_MAX_IN inputs and at least COLUMN_MAJOR_MIN_OUT outputs."""
     out_features, in_features = weight.shape
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.numel() < (ONEDNN_MIN_WEIGHT if ONEDNN else BLOCKED_MIN_WEIGHT)
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not _large(weight)
             and in_features <= COLUMN_MAJOR_MAX_IN and out_features >= COLUMN_MAJOR_MIN_OUT)
 
 

@@ -26,7 +26,7 @@ from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import Parallel
 from ..distributed.pipeline import StageLink
 from ..layers.cache import HybridCache
-from ..layers.linear import hold_column_major
+from ..layers.linear import fuse_linear_groups, hold_column_major
 from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
@@ -74,6 +74,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
         _use_mxfp8_activations(model, args.model)
     dense_experts = _hold_dense_experts(model, args, device)
     hold_column_major(model)
+    fuse_linear_groups(model)
     dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
@@ -85,6 +86,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
     if draft is not None:
         hold_column_major(draft)
+        fuse_linear_groups(draft)
         weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}
     draft_config = draft.config if isinstance(draft, KimiForCausalLM) else None
     cache_config = layout.cache_config(config)

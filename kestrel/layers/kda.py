@@ -13,7 +13,7 @@ from ..ops.torch.kda_decode import KDALayerParams, decay_gate, gated_rms_norm, l
 from ..distributed.parallel import SINGLE, Parallel
 from .batch import ForwardBatch
 from .cache import HybridCache
-from .linear import Linear
+from .linear import Linear, LinearGroup
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
 
@@ -50,6 +50,8 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.o_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=torch.float32)   # gated by g_proj
         self.o_proj = RowParallelLinear(width, hidden, par)
+        self.in_proj = LinearGroup(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                   self.g_proj if config.kda_full_rank_output_gate else self.g_a_proj, self.b_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None) -> torch.Tensor:
         """x: [T, hidden] (after input_layernorm) -> [T, hidden]. Reads and writes the sequences' state slots.
@@ -61,16 +63,17 @@ class KimiDeltaAttention(nn.Module):
         """
         num_tokens = x.shape[0]
         state = cache.kda[self.kda_index] if cache is not None else None
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        gate_raw = self.f_b_proj(self.f_a_proj(x)).view(num_tokens, self.num_heads, self.head_dim)
-        out_gate = (self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))).view_as(gate_raw)
+        q, k, v, gate_low_rank, out_gate, beta_raw = self.in_proj(x)
+        qkv = torch.cat([q, k, v], dim=-1)
+        gate_raw = self.f_b_proj(gate_low_rank).view(num_tokens, self.num_heads, self.head_dim)
+        out_gate = (out_gate if hasattr(self, "g_proj") else self.g_b_proj(out_gate)).view_as(gate_raw)
         if state is not None and (batch.max_new <= 1 or batch.keep_token_states):
             o, state.token_states = backend.get_op("kda_decode", x.device)(
-                qkv, gate_raw, self.b_proj(x), out_gate, self.step_params(), state.conv, state.recurrent,
+                qkv, gate_raw, beta_raw, out_gate, self.step_params(), state.conv, state.recurrent,
                 batch.state_slots, None if batch.uniform else batch.cu_seqlens, batch.prefix_lens > 0,
                 keep_token_states=batch.keep_token_states)
         else:
-            o = self._prefill(qkv, gate_raw, self.b_proj(x), batch, state)
+            o = self._prefill(qkv, gate_raw, beta_raw, batch, state)
             o = gated_rms_norm(o, out_gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.reshape(num_tokens, -1))
 

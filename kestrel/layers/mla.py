@@ -20,7 +20,7 @@ from ..distributed.parallel import SINGLE, Parallel
 from . import dcp
 from .batch import ForwardBatch
 from .cache import HybridCache
-from .linear import Linear
+from .linear import Linear, LinearGroup
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
 
@@ -105,6 +105,8 @@ class GatedMLA(nn.Module):
             self.g_proj = Linear(hidden, heads * self.v_dim, bias=False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, par)
         self.indexer = LightningIndexer(config, par) if with_indexer else None
+        projections = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "g_proj")       # of x: query, latent, gate
+        self.inputs = LinearGroup(*(getattr(self, name) for name in projections if hasattr(self, name)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None,
                 index_scores_out: list | None = None, attention_out: list | None = None) -> torch.Tensor:
@@ -115,13 +117,13 @@ class GatedMLA(nn.Module):
         attention_out receives the heads' mean attention distribution (see attention_distribution).
         """
         num_tokens = x.shape[0]
+        q, kv, *gate = self.inputs(x)
         if hasattr(self, "q_a_proj"):
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q_latent = self.q_a_layernorm(q)
             q = self.q_b_proj(q_latent)
         else:
-            q_latent, q = None, self.q_proj(x)
+            q_latent = None
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        kv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
         index_keys = self.indexer.keys(x) if self.indexer is not None else None
 
@@ -133,8 +135,8 @@ class GatedMLA(nn.Module):
             o = self._attend_context(x, q, q_latent, latent, index_keys, batch, cache, index_scores_out,
                                      attention_out)
         o = o.reshape(num_tokens, -1)
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
+        if gate:
+            o = o * torch.sigmoid(gate[0])
         return self.o_proj(o)
 
     def _absorbed_paged(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, latent: torch.Tensor,

@@ -21,7 +21,7 @@ from ..distributed.parallel import SINGLE, Parallel
 from ..ops import backend
 from ..ops.torch.moe import ExpertWeights
 from .activation import glu_activation
-from .linear import Linear
+from .linear import Linear, LinearGroup
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
 
@@ -41,9 +41,14 @@ class GatedMLP(nn.Module):
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = (RowParallelLinear(intermediate, hidden, par) if reduce
                           else Linear(intermediate, hidden, bias=False))
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        return self.project_down(*self.gate_up(x))
+
+    def project_down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The output [T, hidden] from the gate and up projections [T, intermediate]."""
+        return self.down_proj(self.activation(gate, up))
 
 
 class Router(nn.Module):
@@ -171,19 +176,31 @@ class MoE(nn.Module):
         if config.num_shared_experts:
             width = config.moe_intermediate_size * config.num_shared_experts
             self.shared_experts = GatedMLP(config, config.hidden_size, width, par, reduce=False)
+            if self.latent:
+                self.latent_and_shared = LinearGroup(self.routed_expert_down_proj, self.shared_experts.gate_proj,
+                                                     self.shared_experts.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         ids, weights = self.gate(x)
-        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
         if not self.latent:
+            shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
             y = self.experts(x, ids, weights)
             return self.par.all_reduce(y if shared is None else y + shared)
-        y, shared = self._sum_over_ranks(self.experts(self.routed_expert_down_proj(x), ids, weights), shared)
+        z, shared = self._latent_and_shared(x)
+        y, shared = self._sum_over_ranks(self.experts(z, ids, weights), shared)
         if hasattr(self, "routed_expert_norm"):
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)
         return y if shared is None else y + shared
+
+    def _latent_and_shared(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed experts' latent input [T, latent] and the shared experts' output [T, hidden] (None without
+        shared experts): their three input projections one LinearGroup."""
+        if not hasattr(self, "shared_experts"):
+            return self.routed_expert_down_proj(x), None
+        z, gate, up = self.latent_and_shared(x)
+        return z, self.shared_experts.project_down(gate, up)
 
     def _sum_over_ranks(self, routed: torch.Tensor, shared: torch.Tensor | None) -> tuple[torch.Tensor,
                                                                                            torch.Tensor | None]:

@@ -1,6 +1,6 @@
 """Speculative decoding with the block draft (DFLASH) on the bundled model: greedy output equals plain greedy
-output token for token. In float32: in bfloat16 the verification's batched arithmetic rounds differently from
-one-token steps, so near-ties can go the other way."""
+output token for token, on the engine's fused projections and column-major weights. In float32: in bfloat16 the
+verification's batched arithmetic rounds differently from one-token steps, so near-ties can go the other way."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
-from kestrel.layers.linear import Linear, column_major_pays
+from kestrel.layers.linear import Linear, LinearGroup, column_major_pays
+from kestrel.layers.moe import MoE
 from helpers import assert_idle
 
 DRAFT = BUNDLED_MODEL.parent / "k3.1-tiny-dflash"
@@ -26,9 +27,14 @@ def test_dflash_greedy_speculation_equals_plain_greedy():
     assert stats.verifications > 0 and stats.accepted_tokens > 0
     assert_idle(spec.engine.scheduler)
     for model in (spec.engine.model, spec.engine.drafter.draft_model):      # both held as column_major_pays says
-        held = [m.weight.stride() == (1, m.out_features) for m in model.modules()
+        held = [m.weight.stride(0) == 1 for m in model.modules()
                 if isinstance(m, Linear) and column_major_pays(m.weight)]
         assert held and all(held)
+    groups = [m for m in spec.engine.model.modules() if isinstance(m, LinearGroup)]
+    fused = [g for g in groups if g.weight is not None]           # every layer's; the shared experts' go in MoE's
+    assert len(fused) == len(groups) - sum(isinstance(m, MoE) for m in spec.engine.model.modules()) > 0
+    assert all(m.weight.untyped_storage().data_ptr() == g.weight.untyped_storage().data_ptr()
+               for g in fused for m in g.members)
 
 
 def test_the_block_drafts_weights_are_in_the_memory_plan():

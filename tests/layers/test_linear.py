@@ -1,6 +1,6 @@
 """kestrel.layers.linear: the oneDNN GEMM path and the blocked GEMM equal F.linear (float32 rounding), traced and
 untraced; every other case is F.linear itself, gradients included; hold_column_major re-lays exactly the weights
-its rule names, keeping their values."""
+its rule names, keeping their values; a fused LinearGroup is one product equal to its members'."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import kestrel.layers.linear as linear_module
-from kestrel.layers.linear import (BLOCK, ONEDNN_MIN_WEIGHT, Linear, hold_column_major, linear, onednn_linear,
-                                   prefers_onednn)
+from kestrel.layers.linear import (BLOCK, ONEDNN_MIN_WEIGHT, Linear, LinearGroup, fuse_linear_groups,
+                                   hold_column_major, linear, onednn_linear, prefers_onednn)
+from kestrel.layers.parallel import RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -134,3 +135,62 @@ def test_hold_column_major_re_lays_the_small_input_weights_f_linear_runs(onednn,
                 actual = linear(x[:, :m.in_features].to(m.weight.dtype), m.weight, m.bias)
                 torch.testing.assert_close(actual, expected[name], atol=1e-5, rtol=1e-5)
     assert model["head"].weight is model["embed"].weight and model["embed"].weight.is_contiguous()
+
+
+class Block(torch.nn.Module):
+    """Three projections of one input in a group, and a sublayer's group over two of them (as MoE's group takes
+    its shared experts' gate and up), registered first."""
+
+    def __init__(self, in_features: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.a, self.b, self.c = (Linear(in_features, out, bias=False, dtype=dtype) for out in (24, 40, 8))
+        self.pair = LinearGroup(self.b, self.c)
+        self.all = LinearGroup(self.a, self.b, self.c)
+        with torch.no_grad():
+            for i, m in enumerate((self.a, self.b, self.c)):
+                m.weight.copy_(weights(*m.weight.shape, seed=i))
+
+
+@pytest.mark.parametrize("in_features", [192, 512])       # column-major where column_major_pays, else row-major
+def test_a_fused_group_multiplies_once_and_equals_its_members(in_features, monkeypatch):
+    block = Block(in_features)
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3))
+    state = {name: t.clone() for name, t in block.state_dict().items()}
+    with torch.inference_mode():
+        separate = block.all(x)
+        assert fuse_linear_groups(block) == 1                    # the larger group; the pair shares its members
+        assert block.pair.weight is None and block.state_dict().keys() == state.keys()
+        fused = block.all.weight
+        assert fused.shape == (72, in_features) and fused.is_contiguous() == (in_features > 384)
+        for m, start in zip((block.a, block.b, block.c), (0, 24, 64)):      # each member's weight: a view of its rows
+            assert m.weight.data_ptr() == fused[start:].data_ptr()
+            assert torch.equal(m.weight, state[f"{member_name(block, m)}.weight"])
+        calls = []
+        monkeypatch.setattr(linear_module, "linear", lambda *args: calls.append(1) or linear(*args))
+        together = block.all(x)
+        assert len(calls) == 1
+        for got, expected in zip(together, separate):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert block.pair(x)[0].shape == (5, 40)                 # an unfused group still runs its members
+
+
+def member_name(block: torch.nn.Module, member: torch.nn.Module) -> str:
+    return next(name for name, m in block.named_children() if m is member)
+
+
+@pytest.mark.parametrize("case", ["bias", "row parallel", "dtypes", "widths", "large"])
+def test_a_group_fuses_only_small_bias_free_linears_of_one_dtype_and_width(case, monkeypatch):
+    members = [Linear(64, 16, bias=False), Linear(64, 32, bias=False)]
+    monkeypatch.setattr(linear_module, "FUSE_MAX_WEIGHT", 48 * 64 + (case != "large"))
+    if case == "bias":
+        members[1] = Linear(64, 32)
+    elif case == "row parallel":
+        members[1] = RowParallelLinear(64, 32)
+    elif case == "dtypes":
+        members[1].to(torch.bfloat16)
+    else:
+        members[1] = Linear(48, 32, bias=False)
+    before = [m.weight.detach().clone() for m in members]
+    group = LinearGroup(*members)
+    assert not group.fuse() and group.weight is None
+    assert all(torch.equal(m.weight, w) and m.weight.is_contiguous() for m, w in zip(members, before))

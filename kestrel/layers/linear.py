@@ -25,6 +25,9 @@ faster: on the Intel Xeon at 1 and 2 threads, the bundled model's [192, 192], [7
 by 128-384 inputs, 0.9-2.0x, mostly 1.1-1.5x. With more input features it loses at 2 threads ([1024, 512] 0.65x at
 1 row, [256, 1024] 0.50x at 5), and on weights of fewer than COLUMN_MAJOR_MIN_OUT outputs ([4, 192]: 0.8-0.9x).
 The bundled model decodes ~8% faster eagerly, and verifies 4 block drafts ~12% faster.
+
+A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
+call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).
 """
 
 from __future__ import annotations

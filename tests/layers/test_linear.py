@@ -138,14 +138,14 @@ def test_hold_column_major_re_lays_the_small_input_weights_f_linear_runs(onednn,
 
 
 class Block(torch.nn.Module):
-    """Three projections of one input in a group, and a sublayer's group over two of them (as MoE's group takes
-    its shared experts' gate and up), registered first."""
+    """Three projections of one input in a group, and a group over two of them registered first (as a latent MoE's
+    group takes its shared experts' gate and up)."""
 
-    def __init__(self, in_features: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, in_features: int):
         super().__init__()
-        self.a, self.b, self.c = (Linear(in_features, out, bias=False, dtype=dtype) for out in (24, 40, 8))
+        self.a, self.b, self.c = (Linear(in_features, out, bias=False) for out in (24, 40, 8))
         self.pair = LinearGroup(self.b, self.c)
-        self.all = LinearGroup(self.a, self.b, self.c)
+        self.trio = LinearGroup(self.a, self.b, self.c)
         with torch.no_grad():
             for i, m in enumerate((self.a, self.b, self.c)):
                 m.weight.copy_(weights(*m.weight.shape, seed=i))
@@ -157,17 +157,17 @@ def test_a_fused_group_multiplies_once_and_equals_its_members(in_features, monke
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3))
     state = {name: t.clone() for name, t in block.state_dict().items()}
     with torch.inference_mode():
-        separate = block.all(x)
+        separate = block.trio(x)
         assert fuse_linear_groups(block) == 1                    # the larger group; the pair shares its members
         assert block.pair.weight is None and block.state_dict().keys() == state.keys()
-        fused = block.all.weight
+        fused = block.trio.weight
         assert fused.shape == (72, in_features) and fused.is_contiguous() == (in_features > 384)
         for m, start in zip((block.a, block.b, block.c), (0, 24, 64)):      # each member's weight: a view of its rows
             assert m.weight.data_ptr() == fused[start:].data_ptr()
             assert torch.equal(m.weight, state[f"{member_name(block, m)}.weight"])
         calls = []
         monkeypatch.setattr(linear_module, "linear", lambda *args: calls.append(1) or linear(*args))
-        together = block.all(x)
+        together = block.trio(x)
         assert len(calls) == 1
         for got, expected in zip(together, separate):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -188,7 +188,7 @@ def test_a_group_fuses_only_small_bias_free_linears_of_one_dtype_and_width(case,
         members[1] = RowParallelLinear(64, 32)
     elif case == "dtypes":
         members[1].to(torch.bfloat16)
-    else:
+    elif case == "widths":
         members[1] = Linear(48, 32, bias=False)
     before = [m.weight.detach().clone() for m in members]
     group = LinearGroup(*members)

@@ -121,6 +121,11 @@ def column_major_pays(weight: torch.Tensor) -> bool:
             and in_features <= COLUMN_MAJOR_MAX_IN and out_features >= COLUMN_MAJOR_MIN_OUT)
 
 
+def _column_major(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] with the same values, stored column-major (a transposed view of the transposed copy)."""
+    return weight.t().contiguous().t()
+
+
 def hold_column_major(model: nn.Module) -> int:
     """Store every Linear weight of model where column_major_pays column-major, in place (same shape and values:
     a transposed view of the transposed copy); returns how many. Weights shared with other modules (an LM head tied
@@ -130,7 +135,7 @@ def hold_column_major(model: nn.Module) -> int:
     held = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and id(m.weight) not in shared
             and column_major_pays(m.weight) and m.weight.is_contiguous()}
     for weight in held.values():
-        weight.data = weight.data.t().contiguous().t()
+        weight.data = _column_major(weight.data)
     return len(held)
 
 
@@ -169,7 +174,7 @@ class LinearGroup(nn.Module):
             return False
         fused = torch.cat([w.detach() for w in weights])
         if column_major_pays(fused):
-            fused = fused.t().contiguous().t()
+            fused = _column_major(fused)
         self.weight, self.sizes = fused, [w.shape[0] for w in weights]
         for w, block in zip(weights, fused.split(self.sizes)):
             w.data = block
@@ -178,8 +183,8 @@ class LinearGroup(nn.Module):
 
 def fuse_linear_groups(model: nn.Module) -> int:
     """LinearGroup.fuse for every group of model, larger groups first, skipping a group that shares a member with
-    one already fused (a layer's group may take a sublayer's); returns how many were fused. For inference, after
-    hold_column_major: the fused members are views, which it leaves alone."""
+    one already fused (a layer's group may take a sublayer's); returns how many were fused. For inference; each fused
+    weight takes hold_column_major's layout rule itself, and its members (views of it) are not re-laid after."""
     fused = set()
     count = 0
     for group in sorted((m for m in model.modules() if isinstance(m, LinearGroup)), key=lambda g: -len(g.members)):

@@ -50,6 +50,8 @@ def test_generate_from_a_jsonl_file(tmp_path, capsys):
     (["inspect", "/no/such/model"], "does not exist"),
     (["random-model", "k3", "--out", "/tmp/x"], "more than half of this machine's"),
     (["generate", "--model", "/no/such", "--prompt-ids", "1"], "is not a model folder"),
+    (["generate", "--speculative-algorithm", "NEXTN", "--speculative-token-map", "/no/such.pt", "--prompt-ids", "1"],
+     "--speculative-token-map /no/such.pt: no such file."),
     (["serve", "--dp-size", "2", "--disaggregation-mode", "prefill"], "runs one node's unified instances"),
 ])
 def test_bad_input_exits_2_with_one_sentence(argv, message, capsys):

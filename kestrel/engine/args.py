@@ -74,6 +74,8 @@ class EngineArgs:
     speculative_disable_by_batch_size: int | None = None  # draft only while at most this many sequences run
                                                  # (vLLM's flag; above it speculation costs more than it saves)
     speculative_draft_model_path: str | None = None  # DFLASH: the block draft's folder; STANDALONE: the draft model's
+    speculative_token_map: str | None = None     # NEXTN, DFLASH: a file of token ids the drafts are chosen among
+                                                 # (SGLang's FR-Spec flag; spec/token_map.py)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
     enable_torch_compile: bool = False           # CPU: decode steps (decode_graphs.py) and the KDA prefill's chunk
@@ -109,6 +111,9 @@ class EngineArgs:
             (self.speculative_algorithm not in ("DFLASH", "STANDALONE") or self.speculative_draft_model_path,
              "speculative_draft_model_path", "set for --speculative-algorithm DFLASH (the block draft's folder) and "
              "STANDALONE (the draft model's folder)"),
+            (self.speculative_token_map is None or self.speculative_algorithm in ("NEXTN", "DFLASH"),
+             "speculative_token_map", "set only with --speculative-algorithm NEXTN or DFLASH (the drafters that "
+             "choose their tokens through an LM head)"),
             (self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens", "at least 1"),
             (self.speculative_disable_by_batch_size is None or self.speculative_disable_by_batch_size >= 1,
              "speculative_disable_by_batch_size", "at least 1"),

@@ -39,6 +39,7 @@ from .model_runner import Draft, ModelRunner, Save
 from .spec.block import BlockDrafter
 from .spec.mtp import MTPDrafter
 from .spec.staged import StagedDrafter
+from .spec.token_map import HotHead, load_token_map
 
 log = logging.getLogger("kestrel")
 
@@ -59,6 +60,7 @@ class RankShard:
     draft_cache: HybridCache | None = None                    # its weights (and caches) counted in the plan
     handoff_cache: HybridCache | None = None   # the caches of one process's layout, which PD handoffs hold (with
                                                # ranks: on the meta device, for their shapes)
+    hot_head: HotHead | None = None   # a model drafter's LM head cut to --speculative-token-map (in the plan)
 
 
 def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
@@ -88,6 +90,9 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
         hold_column_major(draft)
         fuse_linear_groups(draft)
         weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}
+    hot_head = _hot_head(args, model) if layout.last_stage else None
+    if hot_head is not None:
+        weights |= {t.data_ptr(): t.numel() * t.element_size() for t in hot_head.buffers()}
     draft_config = draft.config if isinstance(draft, KimiForCausalLM) else None
     cache_config = layout.cache_config(config)
     # the MTP drafter's layer (on the last stage) caches latents too
@@ -127,7 +132,22 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
     handoff_cache = cache if layout.world_size == 1 else HybridCache.allocate(
         config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta")
-    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache)
+    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache, hot_head)
+
+
+def _hot_head(args: EngineArgs, model: KimiForCausalLM) -> HotHead | None:
+    """The drafter's LM head (the MTP layer's for NEXTN, the target's for DFLASH) cut to --speculative-token-map's
+    tokens; None without one."""
+    if args.speculative_token_map is None:
+        return None
+    if args.speculative_algorithm == "DFLASH":
+        head = model.lm_head
+    elif model.mtp_layers:
+        head = model.mtp_layers[0].shared_head.head
+    else:
+        return None                   # model_drafter refuses NEXTN without MTP layers
+    ids = load_token_map(args.speculative_token_map, model.config.vocab_size)
+    return HotHead(head.weight, ids, model.config.vocab_size, model.par.attn)
 
 
 def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
@@ -143,9 +163,9 @@ def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
                          "has none.")
     local = None
     if layout.last_stage and args.speculative_algorithm == "NEXTN":
-        local = MTPDrafter(model, shard.cache, shard.page_table)
+        local = MTPDrafter(model, shard.cache, shard.page_table, shard.hot_head)
     elif layout.last_stage:
-        local = BlockDrafter(model, shard.draft, args.speculative_num_draft_tokens, compile)
+        local = BlockDrafter(model, shard.draft, args.speculative_num_draft_tokens, compile, shard.hot_head)
     if layout.pp_size == 1:
         return local
     return StagedDrafter(local, StageLink(layout, model.par.via_host), model.device)

@@ -121,7 +121,7 @@ def column_major_pays(weight: torch.Tensor) -> bool:
             and in_features <= COLUMN_MAJOR_MAX_IN and out_features >= COLUMN_MAJOR_MIN_OUT)
 
 
-def _column_major(weight: torch.Tensor) -> torch.Tensor:
+def column_major(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] with the same values, stored column-major (a transposed view of the transposed copy)."""
     return weight.t().contiguous().t()
 
@@ -135,7 +135,7 @@ def hold_column_major(model: nn.Module) -> int:
     held = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear) and id(m.weight) not in shared
             and column_major_pays(m.weight) and m.weight.is_contiguous()}
     for weight in held.values():
-        weight.data = _column_major(weight.data)
+        weight.data = column_major(weight.data)
     return len(held)
 
 
@@ -174,7 +174,7 @@ class LinearGroup(nn.Module):
             return False
         fused = torch.cat([w.detach() for w in weights])
         if column_major_pays(fused):
-            fused = _column_major(fused)
+            fused = column_major(fused)
         self.weight, self.sizes = fused, [w.shape[0] for w in weights]
         for w, block in zip(weights, fused.split(self.sizes)):
             w.data = block

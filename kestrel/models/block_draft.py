@@ -115,15 +115,23 @@ class BlockDraftModel(nn.Module):
         return self
 
 
-def block_logits(target: KimiForCausalLM, draft: BlockDraftModel, hidden: torch.Tensor,
-                 next_ids: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
-    """The draft's logits [N, S, vocab] fp32 for tokens t+2 .. t+1+S (S = num_slots, default block_size), from
-    the target's hidden states at t [N, D] and the ids of tokens t+1 [N], through the target's embedding, final
-    norm and lm_head (only the S slots asked for reach the lm_head)."""
+def block_outputs(target: KimiForCausalLM, draft: BlockDraftModel, hidden: torch.Tensor, next_ids: torch.Tensor,
+                  num_slots: int | None = None) -> torch.Tensor:
+    """The draft's outputs [N, S, D] for tokens t+2 .. t+1+S (S = num_slots, default block_size), in the dtype of
+    the target's lm_head, from the target's hidden states at t [N, D] and the ids of tokens t+1 [N] (through the
+    target's embedding); the target's final norm and lm_head turn them into logits."""
     dtype = draft.cond_proj.weight.dtype
     out = draft(hidden.to(dtype), target.model.embed_tokens(next_ids).to(dtype))[:, :num_slots]
+    return out.to(target.lm_head.weight.dtype)
+
+
+def block_logits(target: KimiForCausalLM, draft: BlockDraftModel, hidden: torch.Tensor,
+                 next_ids: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
+    """The draft's logits [N, S, vocab] fp32: block_outputs through the target's final norm and lm_head (only the
+    S slots asked for reach the lm_head)."""
+    out = block_outputs(target, draft, hidden, next_ids, num_slots)
     n, k, d = out.shape
-    return target.compute_logits(out.reshape(n * k, d).to(target.lm_head.weight.dtype)).view(n, k, -1)
+    return target.compute_logits(out.reshape(n * k, d)).view(n, k, -1)
 
 
 def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -107,9 +107,12 @@ def test_tp2_dcp2_greedy_tokens_equal_one_process_then_a_killed_rank_fails_reque
 
 
 def drafting(algorithm: str) -> dict:
+    """NEXTN drafts among the shipped token map's tokens (its MTP head cut to them, per rank), DFLASH among all."""
     spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=3, **ARGS)
     if algorithm == "DFLASH":
         spec["speculative_draft_model_path"] = str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")
+    else:
+        spec["speculative_token_map"] = str(BUNDLED_MODEL / "token_map.pt")
     return spec
 
 
@@ -128,8 +131,9 @@ def one_process_acceptance(expected) -> dict[str, list[int]]:
                                               ("NEXTN", {"pp_size": 2}), ("DFLASH", {"pp_size": 2})])
 def test_model_drafters_distributed_draft_what_one_process_drafts(expected, one_process_acceptance, algorithm,
                                                                    layout):
-    """NEXTN (the MTP layer, its attention cache split by position under DCP2) and DFLASH (the block draft) at TP2:
-    every rank drafts from its own kept hidden states through the sharded embedding, layers and LM heads; over two
+    """NEXTN (the MTP layer, its attention cache split by position under DCP2, its head cut to a token map) and
+    DFLASH (the block draft) at TP2: every rank drafts from its own kept hidden states through the sharded
+    embedding, layers and LM heads (each rank the map's rows of its share of the vocabulary); over two
     pipeline stages the last stage drafts (with its copy of the embedding) and sends rank 0 the drafts. Greedy
     tokens equal one process's plain ones, and the drafts one process's with the same drafter (equal counts)."""
     llm = LLM(str(BUNDLED_MODEL), **layout, **drafting(algorithm))

@@ -14,8 +14,10 @@ import torch
 
 from kestrel.engine.spec.block import BlockDrafter
 from kestrel.engine.spec.mtp import DraftInput
+from kestrel.engine.spec.token_map import HotHead
 from kestrel.models.block_draft import (BlockDraftConfig, BlockDraftModel, block_logits, load_block_draft,
                                         save_block_draft)
+from kestrel.distributed.parallel import SINGLE
 from kestrel.models.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +51,12 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("compile", [None, "aot_eager"])
-def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft, compile):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft, compile, mapped):
     """Each input's drafts: the draft model run alone on its last hidden state and next token, argmax, the first
     `count` of the block; inputs that want none get none. Also compiled (aot_eager: the graph inductor compiles),
-    where 3 drafting rows are padded to a batch of 4."""
+    where 3 drafting rows are padded to a batch of 4; and with a token map (512 random ids), the argmax among its
+    tokens."""
     gen = torch.Generator().manual_seed(0)
     size = draft.config.block_size
     kept = [torch.randn(9, 192, generator=gen) * 2, torch.randn(6, 192, generator=gen) * 2]    # two forwards
@@ -60,13 +64,21 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
                          next_ids=torch.randint(4000, (m,), generator=gen).tolist())
               for i, (forward, first, m, count) in enumerate([(0, 0, 1, 4), (0, 1, 3, 0), (1, 0, 5, size + 3),
                                                               (0, 7, 2, 1)])]
-    drafter = BlockDrafter(target, draft, size, compile)
+    vocab = target.config.vocab_size
+    ids = torch.randperm(vocab, generator=gen)[:512].sort().values
+    outside = torch.full((vocab,), float("-inf") if mapped else 0.0)
+    outside[ids] = 0
+    drafter = BlockDrafter(target, draft, size, compile, HotHead(target.lm_head.weight, ids, vocab, SINGLE)
+                           if mapped else None)
     drafts = drafter.draft(inputs, kept)
+    changed = False
     for x, got in zip(inputs, drafts):
         last = kept[x.forward][x.first_row + len(x.next_ids) - 1]
         with torch.no_grad():
-            alone = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0].argmax(-1)
-        assert got == alone.tolist()[:x.count]
+            logits = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0]
+        assert got == (logits + outside).argmax(-1).tolist()[:x.count]
+        changed |= got != logits.argmax(-1).tolist()[:x.count]
+    assert changed == mapped
     assert [len(d) for d in drafts] == [4, 0, size, 1]
     few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: eagerly only 4 slots reach the lm_head
     assert drafter.draft(few, kept) == [drafts[0], drafts[3]]

@@ -3,8 +3,8 @@ forward, from the target's hidden state at a sequence's last computed position a
 
 It holds no per-sequence state: each step's drafts depend only on that step's DraftInput (the last kept position's
 hidden state and next token), so a rejected draft or a rolled-back, preempted or aborted sequence leaves nothing
-behind to repair. Drafts are the draft model's argmax (deterministic), so verify.py's acceptance rule keeps the
-output distribution the target's.
+behind to repair. Drafts are the draft model's argmax (deterministic; among a token map's tokens with one,
+spec.token_map), so verify.py's acceptance rule keeps the output distribution the target's.
 
 With a torch.compile backend (the CPU's `--enable-torch-compile`), the draft's forward runs compiled: one graph per
 batch size, padded up to a power of two with rows nobody reads, always drafting num_slots tokens per row (a
@@ -17,23 +17,26 @@ import logging
 
 import torch
 
-from ...models.block_draft import BlockDraftModel, block_logits
+from ...models.block_draft import BlockDraftModel, block_logits, block_outputs
 from ...models.kimi import KimiForCausalLM
 from ..decode_graphs import compile_options
 from .mtp import DraftInput
+from .token_map import HotHead
 
 log = logging.getLogger("kestrel")
 
 
 class BlockDrafter:
     """Drafts up to num_slots tokens per sequence (at most the draft's block size) with one batched forward of the
-    draft model, eager or compiled by the torch.compile backend `compile`."""
+    draft model, eager or compiled by the torch.compile backend `compile`; with hot_head, among the token map's
+    tokens."""
 
-    def __init__(self, target: KimiForCausalLM, draft: BlockDraftModel, num_slots: int, compile: str | None = None):
+    def __init__(self, target: KimiForCausalLM, draft: BlockDraftModel, num_slots: int, compile: str | None = None,
+                 hot_head: HotHead | None = None):
         if draft.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"the block draft has hidden size {draft.config.hidden_size} but the target model has "
                              f"{target.config.hidden_size}; pass a draft trained for this model.")
-        self.target, self.draft_model = target, draft
+        self.target, self.draft_model, self.hot_head = target, draft, hot_head
         self.device = target.device
         self.num_slots = min(num_slots, draft.config.block_size)
         self.compiled = None
@@ -44,7 +47,10 @@ class BlockDrafter:
 
     def _argmax_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int) -> torch.Tensor:
         """hidden [N, D], next_ids [N] -> the draft's tokens [N, slots] int64."""
-        return block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1)
+        if self.hot_head is None:
+            return block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1)
+        return self.hot_head(self.target.model.norm(block_outputs(self.target, self.draft_model, hidden, next_ids,
+                                                                  slots)))
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput], kept: list[torch.Tensor]) -> list[list[int]]:

@@ -7,8 +7,9 @@ target just computed and kept (their hidden states, and the tokens that followed
 and its prediction at the last position is the first draft. Each further draft runs the layer one position on,
 reading its own output h'' in place of the main model's hidden state there (unknown until the target computes
 it), and the draft just made. Those speculative positions of the MTP cache are overwritten next step, when the
-layer runs over them again with the target's real hidden states. Drafts are the layer's argmax: deterministic,
-so the acceptance rule in verify.py keeps the output distribution the target's.
+layer runs over them again with the target's real hidden states. Drafts are the layer's argmax (among a token
+map's tokens with one, spec.token_map): deterministic, so the acceptance rule in verify.py keeps the output
+distribution the target's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ...layers.batch import ForwardBatch
 from ...layers.cache import HybridCache
 from ...models.kimi import KimiForCausalLM
 from ..cache.page_table import PageTable
+from .token_map import HotHead
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,12 @@ class DraftInput:
 
 
 class MTPDrafter:
-    """Runs the first MTP layer over a step's newly computed positions and chains it for the drafts."""
+    """Runs the first MTP layer over a step's newly computed positions and chains it for the drafts; with hot_head
+    (the layer's head cut to a token map), drafts among the map's tokens."""
 
-    def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable):
-        self.model, self.cache, self.page_table = model, cache, page_table
+    def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable,
+                 hot_head: HotHead | None = None):
+        self.model, self.cache, self.page_table, self.hot_head = model, cache, page_table, hot_head
         self.device = model.device
 
     @torch.inference_mode()
@@ -66,7 +70,7 @@ class MTPDrafter:
         ends = [x.start + n for x, n in zip(inputs, lengths)]           # the position each next draft is read at
         going = [i for i, x in enumerate(inputs) if x.count > 0]
         while going:
-            tokens = self.model.mtp_head(hidden[going]).argmax(-1).tolist()
+            tokens = self._tokens(hidden[going]).tolist()
             for i, token in zip(going, tokens):
                 drafts[i].append(token)
             going = [i for i in going if len(drafts[i]) < inputs[i].count and ends[i] < inputs[i].capacity]
@@ -77,6 +81,12 @@ class MTPDrafter:
                 for i in going:
                     ends[i] += 1
         return drafts
+
+    def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output h'' [R, D] -> its draft tokens [R]: the argmax of its head."""
+        if self.hot_head is None:
+            return self.model.mtp_head(hidden).argmax(-1)
+        return self.hot_head(self.model.mtp_layers[0].shared_head.norm(hidden))
 
     def _forward(self, inputs: list[DraftInput], starts: list[int], hidden: torch.Tensor, next_ids: list[int],
                  lengths: list[int]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from block_draft_data import PromptSource, greedy_with_hidden
 from corpus import load_corpus
 from kestrel.models.checkpoint import load_model
+from kestrel.models.kimi import KimiForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "models" / "k3.1-tiny"
@@ -28,7 +29,7 @@ PROMPT_LEN, NEW_TOKENS, BATCH = 32, 64, 64
 SEED = 1
 
 
-def greedy_counts(model, prompts: torch.Tensor) -> torch.Tensor:
+def greedy_counts(model: KimiForCausalLM, prompts: torch.Tensor) -> torch.Tensor:
     """[vocab] int64: how often each token appears in the greedy continuations of prompts [n, PROMPT_LEN]."""
     counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
     for batch in prompts.split(BATCH):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -80,7 +81,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
-    weights = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    weights = _bytes_by_address(model.state_dict().values())
     draft = None
     if args.speculative_algorithm == "DFLASH" and layout.last_stage:     # it drafts where the hidden states are
         draft = load_block_draft(args.speculative_draft_model_path, dtype, device)
@@ -89,10 +90,10 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     if draft is not None:
         hold_column_major(draft)
         fuse_linear_groups(draft)
-        weights |= {t.data_ptr(): t.numel() * t.element_size() for t in draft.state_dict().values()}
+        weights |= _bytes_by_address(draft.state_dict().values())
     hot_head = _hot_head(args, model) if layout.last_stage else None
     if hot_head is not None:
-        weights |= {t.data_ptr(): t.numel() * t.element_size() for t in hot_head.buffers()}
+        weights |= _bytes_by_address(hot_head.buffers())
     draft_config = draft.config if isinstance(draft, KimiForCausalLM) else None
     cache_config = layout.cache_config(config)
     # the MTP drafter's layer (on the last stage) caches latents too
@@ -133,6 +134,11 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     handoff_cache = cache if layout.world_size == 1 else HybridCache.allocate(
         config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta")
     return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache, hot_head)
+
+
+def _bytes_by_address(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Each tensor's bytes by its data address (so that tensors sharing one, tied weights, count once)."""
+    return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
 
 
 def _hot_head(args: EngineArgs, model: KimiForCausalLM) -> HotHead | None:

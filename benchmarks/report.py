@@ -21,11 +21,20 @@ HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun 
 
 
 def machine() -> str:
-    """One line describing where the numbers were taken."""
+    """One line describing where the numbers were taken: when, the CPU (which GEMM layout wins can differ between
+    CPU models) and the vector instructions torch's kernels use, torch threads and version."""
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     threads = torch.get_num_threads()
-    return (f"{when}; {platform.processor() or platform.machine()}, "
+    return (f"{when}; {cpu_name()} ({torch.backends.cpu.get_cpu_capability()}), "
             f"{threads} torch thread{'' if threads == 1 else 's'}, torch {torch.__version__}")
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor or machine name."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

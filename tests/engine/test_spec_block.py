@@ -86,9 +86,9 @@ def test_dflash_drafts_are_the_draft_over_the_whole_sequence():
     engine = dflash(chunked_prefill_size=8, max_total_tokens=96, mamba_scheduler_strategy="extra_buffer",
                     mamba_track_interval=4).engine
     checked = 0
-    for round in range(2):                                  # the second round starts from the prefix cache
+    for turn in range(2):                                   # the second turn starts from the prefix cache
         for i, prompt in enumerate(PROMPTS + ["A"]):
-            engine.add_request(f"{round}.{i}", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            engine.add_request(f"{turn}.{i}", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         checked += check_drafts(engine)[0]
     assert checked >= 100
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache.stats.hits > 0

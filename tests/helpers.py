@@ -1,11 +1,17 @@
-"""Test helpers: tiny random models of each family member, and the plain greedy computation the engine must
-reproduce."""
+"""Test helpers: tiny random models of each family member, the plain greedy computation the engine must
+reproduce, and a random K3 DFlash draft for the bundled model in NeMo AutoModel's layout."""
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from kestrel.config import parse_config
+from kestrel.engine.args import BUNDLED_MODEL
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.models.checkpoint import build_model
@@ -77,3 +83,49 @@ def greedy_generate(model: KimiForCausalLM, prompts: list[list[int]], max_new_to
         ids = torch.tensor([outputs[i][-1] for i in running], device=device)
         next_ids = model.compute_logits(model(ids, batch, cache)).argmax(-1)
     return outputs
+
+
+TARGET_LAYERS = [1, 4]
+"""The random DFlash draft's target layers, block size and mask token (the bundled model's vocabulary)."""
+BLOCK = 5
+MASK = 4090
+
+
+def nemo_tensors(text: dict, layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under NeMo's names and shapes for a draft of `layers` layers of the K3 text config `text`."""
+    d, heads = text["hidden_size"], text["num_attention_heads"]
+    nope, rope, v, q_rank, kv_rank = (text[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                                        "q_lora_rank", "kv_lora_rank"))
+    inter = text["intermediate_size"]
+    shapes = {"fc.weight": (d, len(TARGET_LAYERS) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    for n in range(layers):
+        p = f"layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "self_attn.q_a_proj.weight": (q_rank, d), p + "self_attn.q_a_layernorm.weight": (q_rank,),
+                   p + "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
+                   p + "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, d),
+                   p + "self_attn.kv_a_layernorm.weight": (kv_rank,),
+                   p + "self_attn.kv_b_proj.weight": (heads * (nope + v), kv_rank),
+                   p + "self_attn.g_proj.weight": (heads * v, d), p + "self_attn.o_proj.weight": (d, heads * v),
+                   p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+                   p + "mlp.down_proj.weight": (d, inter)}
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (1 + 0.1 * torch.randn(shape, generator=gen) if len(shape) == 1
+                   else torch.randn(shape, generator=gen) * shape[1] ** -0.5) for name, shape in shapes.items()}
+
+
+def write_draft(folder: Path, layers: int = 2, **changes) -> dict[str, torch.Tensor]:
+    """A draft folder as NeMo's build_kimi_k3_dflash_draft_config and save write it (config keys replaced by
+    changes); returns its tensors."""
+    text = json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"]
+    config = copy.deepcopy(text) | {
+        "architectures": ["KimiK3DFlashDraftModel"], "num_hidden_layers": layers, "num_target_layers": 6,
+        "num_experts": None, "num_shared_experts": 0, "num_nextn_predict_layers": 0, "attn_res_block_size": None,
+        "linear_attn_config": {"kda_layers": [], "full_attn_layers": list(range(1, layers + 1))},
+        "tie_word_embeddings": False, "block_size": BLOCK,
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TARGET_LAYERS}} | changes
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = nemo_tensors(text, layers)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return tensors

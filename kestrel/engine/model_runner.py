@@ -30,6 +30,7 @@ from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 from .spec.block import BlockDrafter
+from .spec.dflash import DFlashDrafter
 from .spec.mtp import DraftInput, MTPDrafter
 from .spec.staged import StagedDrafter
 
@@ -111,7 +112,7 @@ class ModelRunner:
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
                  decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
                  other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None,
-                 drafter: MTPDrafter | BlockDrafter | StagedDrafter | None = None):
+                 drafter: MTPDrafter | BlockDrafter | DFlashDrafter | StagedDrafter | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table

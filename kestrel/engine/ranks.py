@@ -31,6 +31,7 @@ from ..layers.linear import fuse_linear_groups, hold_column_major
 from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
+from ..models.dflash_draft import ContextWriter, DFlashDraftModel, is_dflash_draft, load_dflash_draft
 from ..models.kimi import KimiForCausalLM
 from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
@@ -38,6 +39,7 @@ from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
 from .model_runner import Draft, ModelRunner, Save
 from .spec.block import BlockDrafter
+from .spec.dflash import DFlashDrafter
 from .spec.mtp import MTPDrafter
 from .spec.staged import StagedDrafter
 from .spec.token_map import HotHead, load_token_map
@@ -57,7 +59,7 @@ class RankShard:
     cache: HybridCache
     page_table: PageTable
     graphs: bool               # decode by CUDA graphs (one rank only); the pools then hold one scratch slot and page
-    draft: BlockDraftModel | KimiForCausalLM | None = None   # DFLASH's block draft or STANDALONE's draft model,
+    draft: BlockDraftModel | DFlashDraftModel | KimiForCausalLM | None = None   # DFLASH's draft or STANDALONE's,
     draft_cache: HybridCache | None = None                    # its weights (and caches) counted in the plan
     handoff_cache: HybridCache | None = None   # the caches of one process's layout, which PD handoffs hold (with
                                                # ranks: on the meta device, for their shapes)
@@ -83,7 +85,9 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
     weights = _bytes_by_address(model.state_dict().values())
     draft = None
-    if args.speculative_algorithm == "DFLASH" and layout.last_stage:     # it drafts where the hidden states are
+    if args.speculative_algorithm == "DFLASH" and is_dflash_draft(args.speculative_draft_model_path):
+        draft = load_dflash_draft(args.speculative_draft_model_path, config, dtype, device)
+    elif args.speculative_algorithm == "DFLASH" and layout.last_stage:     # it drafts where the hidden states are
         draft = load_block_draft(args.speculative_draft_model_path, dtype, device)
     elif args.speculative_algorithm == "STANDALONE" and layout.rank == 0:    # it drafts in rank 0's process
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
@@ -98,6 +102,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     cache_config = layout.cache_config(config)
     # the MTP drafter's layer (on the last stage) caches latents too
     mtp_layers = 1 if args.speculative_algorithm == "NEXTN" and layout.last_stage else 0
+    draft_layers = draft.num_layers if isinstance(draft, DFlashDraftModel) else 0    # its context latents, paged
 
     memory = device_memory(device)
     if device.type == "cpu":        # the ranks on one machine share its memory
@@ -105,7 +110,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
 
     def plan(engine_args: EngineArgs) -> MemoryPlan:
         return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
-                           ssm_dtype, kv_dtype, mtp_layers, draft_config)
+                           ssm_dtype, kv_dtype, mtp_layers, draft_config, draft_layers)
 
     args = args.dp_group_args()
     memory_plan = plan(args)
@@ -121,13 +126,15 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     slots, pages = memory_plan.num_slots, memory_plan.num_pages
     try:
         cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
-                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, layout.dcp_size)
+                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, layout.dcp_size, draft_layers)
         draft_cache = None if draft_config is None else HybridCache.allocate(
             draft_config, slots + scratch, pages + scratch, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, device)
     except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
         size = (memory_plan.state_pool_bytes + memory_plan.kv_pool_bytes) / 2**30
         raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "
                               "--mem-fraction-static, --max-total-tokens or --max-mamba-cache-size.") from e
+    if isinstance(draft, DFlashDraftModel):          # the target's forward writes the draft's context latents
+        model.model.draft_context = ContextWriter(draft, cache)
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
@@ -157,10 +164,10 @@ def _hot_head(args: EngineArgs, model: KimiForCausalLM) -> HotHead | None:
 
 
 def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
-                  ) -> MTPDrafter | BlockDrafter | StagedDrafter | None:
-    """The drafter that reads the target's hidden states, on this rank's shard: NEXTN's MTP layers or DFLASH's
+                  ) -> MTPDrafter | BlockDrafter | DFlashDrafter | StagedDrafter | None:
+    """The drafter that reads the target's hidden states, on this rank's shard: NEXTN's MTP layers, DFLASH's
     block draft (compiled by the torch.compile backend `compile`, if any), which under pipeline stages draft on the
-    last stage (spec.staged); None for the other algorithms."""
+    last stage (spec.staged), or DFLASH's K3 DFlash draft (eager, one stage); None for the other algorithms."""
     if args.speculative_algorithm not in MODEL_DRAFTERS:
         return None
     model, layout = shard.model, shard.model.par.layout
@@ -170,6 +177,8 @@ def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
     local = None
     if layout.last_stage and args.speculative_algorithm == "NEXTN":
         local = MTPDrafter(model, shard.cache, shard.page_table, shard.hot_head)
+    elif isinstance(shard.draft, DFlashDraftModel):
+        local = DFlashDrafter(model, shard.page_table, args.speculative_num_draft_tokens, shard.hot_head)
     elif layout.last_stage:
         local = BlockDrafter(model, shard.draft, args.speculative_num_draft_tokens, compile, shard.hot_head)
     if layout.pp_size == 1:

@@ -108,11 +108,11 @@ class ForwardBatch:
             if pages.shape[1] < needed:
                 raise ValueError(f"page_table has {pages.shape[1]} pages per row; the longest sequence needs "
                                  f"{needed}.")
-            write_index = _kv_rows(pages, seq_index, positions, page_size)
+            write_index = kv_rows(pages, seq_index, positions, page_size)
             all_pos = torch.arange(max_total, device=device).expand(n, max_total)
             valid = all_pos < (prefix_t + lens).unsqueeze(1)
             rows = torch.arange(n, device=device).unsqueeze(1).expand(n, max_total)
-            read_index = torch.where(valid, _kv_rows(pages, rows, all_pos, page_size), 0)
+            read_index = torch.where(valid, kv_rows(pages, rows, all_pos, page_size), 0)
         return cls(
             cu_seqlens=cu,
             prefix_lens=prefix_t,
@@ -153,7 +153,7 @@ class ForwardBatch:
             offsets=offsets,
             state_slots=state_slots,
             page_table=page_table,
-            kv_write_index=_kv_rows(page_table, seq_index, positions, page_size),
+            kv_write_index=kv_rows(page_table, seq_index, positions, page_size),
             kv_read_index=None,
             max_new=tokens_per_seq,
             max_total=page_table.shape[1] * page_size,
@@ -198,7 +198,7 @@ class ForwardBatch:
         return self.seq_index * self.max_new + self.offsets
 
 
-def _kv_rows(pages: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+def kv_rows(pages: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat cache row of position pos of sequence seq: its page's first row plus the offset in the page."""
     cols = (pos // page_size).clamp(max=pages.shape[1] - 1)
     return pages[seq, cols] * page_size + pos % page_size

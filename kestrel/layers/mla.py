@@ -117,14 +117,7 @@ class GatedMLA(nn.Module):
         attention_out receives the heads' mean attention distribution (see attention_distribution).
         """
         num_tokens = x.shape[0]
-        q, kv, *gate = self.inputs(x)
-        if hasattr(self, "q_a_proj"):
-            q_latent = self.q_a_layernorm(q)
-            q = self.q_b_proj(q_latent)
-        else:
-            q_latent = None
-        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        latent = torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
+        q, q_latent, latent, gate = self.project(x)
         index_keys = self.indexer.keys(x) if self.indexer is not None else None
 
         if cache is not None and self.par.layout.dcp_size > 1:
@@ -134,10 +127,46 @@ class GatedMLA(nn.Module):
         else:
             o = self._attend_context(x, q, q_latent, latent, index_keys, batch, cache, index_scores_out,
                                      attention_out)
-        o = o.reshape(num_tokens, -1)
-        if gate:
-            o = o * torch.sigmoid(gate[0])
+        return self.output(o.reshape(num_tokens, -1), gate)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] -> queries [T, H, 192], the query latent [T, q_lora_rank] (None without Q-LoRA), the
+        latents to cache [T, 576] (normed c_kv, then the head-shared key part) and the output gate's logits
+        [T, H * v_dim] (None without the gate)."""
+        q, kv, *gate = self.inputs(x)
+        if hasattr(self, "q_a_proj"):
+            q_latent = self.q_a_layernorm(q)
+            q = self.q_b_proj(q_latent)
+        else:
+            q_latent = None
+        q = q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+        return q, q_latent, self._normed_latents(kv), gate[0] if gate else None
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The heads' outputs o [T, H * v_dim] -> [T, hidden]: gated (when the layer has a gate), then o_proj."""
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+    def latents(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the latents its tokens would cache [T, 576]."""
+        return self._normed_latents(self.kv_a_proj_with_mqa(x))
+
+    def _normed_latents(self, kv: torch.Tensor) -> torch.Tensor:
+        """kv_a_proj_with_mqa's output [T, 576] -> the cached latents: c_kv [T, 512] normed, the shared key part
+        as it is."""
+        return torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
+
+    def attend_block(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
+        """Blocks of tokens attending, without a causal order, to their context and to each other (a DFlash draft's
+        layers, kestrel.models.dflash_draft): x [N, B, hidden] (normed), context [N, S, 576] (cached latents),
+        context_mask [N, S] bool (the context positions each block sees) -> [N, B, hidden]."""
+        n, b = x.shape[:2]
+        q, _, latent, gate = self.project(x.flatten(0, 1))
+        keys = torch.cat([context.to(latent.dtype), latent.view(n, b, -1)], dim=1)
+        mask = torch.cat([context_mask, context_mask.new_ones(n, b)], dim=1).unsqueeze(1).expand(n, b, -1)
+        o = self._absorbed(q.view(n, b, self.num_heads, -1), keys, mask)
+        return self.output(o.reshape(n * b, -1), gate).view(n, b, -1)
 
     def _absorbed_paged(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, latent: torch.Tensor,
                         index_keys: torch.Tensor | None, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:

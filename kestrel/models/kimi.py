@@ -33,6 +33,8 @@ is the whole forward, cut anywhere between layers.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -47,6 +49,17 @@ from ..layers.moe import MoE, GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.parallel import VocabParallelEmbedding, gather_vocab
 from ..ops import backend
+
+
+class DraftContext(Protocol):
+    """A DFlash draft's context writer (kestrel.models.dflash_draft.ContextWriter): forwards over its cache hand it
+    the outputs of its target layers."""
+
+    cache: HybridCache
+    target_layer_ids: tuple[int, ...]
+
+    def write(self, outputs: torch.Tensor, batch: ForwardBatch) -> None:
+        """Store the draft's context latents of batch's new tokens, from those layers' outputs [T, L * D]."""
 
 
 class DecoderLayer(nn.Module):
@@ -165,6 +178,8 @@ class KimiTextModel(nn.Module):
             for j in range(config.num_nextn_predict_layers):
                 layers.append(MTPLayer(config, config.num_hidden_layers + j, counts[MLA] + j, par))
         self.layers = nn.ModuleList(layers)
+        self.draft_context: DraftContext | None = None
+        """A DFlash draft's, when it drafts: the forward hands it its target layers' outputs at the new tokens."""
         if self.last_stage:
             self.norm = RMSNorm(d, config.rms_norm_eps)
             if attn_res:
@@ -176,22 +191,37 @@ class KimiTextModel(nn.Module):
         """This stage's decoder layers (all of them in one stage)."""
         return [self.layers[i] for i in self.stage]
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
-        """The whole decoder (one stage): input_ids [T] -> pre-final-norm hidden states [T, D]."""
-        return self.finish(self.run_layers(self.start(input_ids), batch, cache))
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None,
+                features: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The whole decoder (one stage): input_ids [T] -> pre-final-norm hidden states [T, D]. features: see
+        run_layers. Over a draft_context's cache, the draft's context latents of the new tokens are written beside
+        the target's latents."""
+        context = self.draft_context if self.draft_context is not None and self.draft_context.cache is cache else None
+        if context is not None:
+            features = {} if features is None else features
+            features.update({i: None for i in context.target_layer_ids if i not in features})
+        hidden = self.finish(self.run_layers(self.start(input_ids), batch, cache, features))
+        if context is not None:
+            context.write(torch.cat([features[i] for i in context.target_layer_ids], dim=-1), batch)
+        return hidden
 
     def start(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream entering layer 0 [1, T, D]: the embedding."""
         return self.embed_tokens(input_ids).unsqueeze(0)
 
-    def run_layers(self, stream: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
-        """This stage's layers: the stream entering its first layer -> the stream leaving its last."""
+    def run_layers(self, stream: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None,
+                   features: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """This stage's layers: the stream entering its first layer -> the stream leaving its last. features, when
+        given, receives the output [T, D] of each layer among its keys (with AttnRes, the running sum of the layer's
+        block after it: what a forward hook on the layer sees in NeMo's K3 model)."""
         if self.config.attn_res_block_size is None:
             x = stream[0]
-            for layer in self.decoder_layers:
+            for i, layer in zip(self.stage, self.decoder_layers):
                 x = layer(x, batch, cache)
+                if features is not None and i in features:
+                    features[i] = x
             return x.unsqueeze(0)
-        return self._run_attn_res(stream, batch, cache)
+        return self._run_attn_res(stream, batch, cache, features)
 
     def finish(self, stream: torch.Tensor) -> torch.Tensor:
         """The last stage: the stream leaving the last layer -> hidden states [T, D] (normed by compute_logits;
@@ -202,7 +232,8 @@ class KimiTextModel(nn.Module):
         norm, proj = self.output_attn_res_norm, self.output_attn_res_proj
         return mix(stream, norm.weight, proj.weight[0], norm.eps, None, 0.0)
 
-    def _run_attn_res(self, stream: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
+    def _run_attn_res(self, stream: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None,
+                      features: dict[int, torch.Tensor | None] | None) -> torch.Tensor:
         """AttnRes stream: `blocks` holds snapshots (the embedding, then each finished block's sum of sublayer
         outputs); `partial` is the running sum of the current block. Each sublayer reads a softmax mix of both."""
         mix = backend.get_op("attn_res_mix_norm", stream.device)
@@ -224,6 +255,8 @@ class KimiTextModel(nn.Module):
                 partial = torch.zeros_like(partial)
             partial = partial + layer.attention(h, batch, cache)
             partial = partial + layer.ffn(mixed(layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm))
+            if features is not None and i in features:
+                features[i] = partial
         return torch.stack(blocks + [partial])
 
 

@@ -63,7 +63,7 @@ def test_kestrel_commands_for_the_layouts_its_engine_runs():
 @pytest.mark.parametrize("recipe_id,reason", [
     ("k3/gb200/decode/high-throughput",
      "cannot run TP16 x DP2 x EP16 x DCP8: DP attention does not run with --dcp-size"),
-    ("k3/b300/unified/low-latency,spec=mtp", "not yet with the published DSPARK or DFLASH drafts"),
+    ("k3/b300/unified/low-latency,spec=mtp", "does not plan kestrel's draft memory yet"),
     ("k3/b300/unified/low-latency,quant=nvfp4", "not nvfp4"),
     ("k3/b300/unified/low-latency,hicache=host", "HiCache runs in one process for now"),
     ("k3/mi355x/unified/balanced", "mi355x is neither")])

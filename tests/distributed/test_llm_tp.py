@@ -14,6 +14,7 @@ from kestrel import LLM
 from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.sampling import SamplingParams
+from helpers import write_draft
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 17)]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -144,6 +145,27 @@ def test_model_drafters_distributed_draft_what_one_process_drafts(expected, one_
         assert stats.accepted_histogram == one_process_acceptance[algorithm]
     finally:
         llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_a_k3_dflash_draft_at_tp2_drafts_what_one_process_drafts(expected, tmp_path):
+    """A K3 DFlash draft in NeMo's layout (random) at TP2: every rank holds the whole draft and writes its context
+    latents from its own full hidden states; rank 0's drafts, step by step, are one process's, and greedy tokens
+    are plain ones."""
+    write_draft(tmp_path)
+    spec = dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(tmp_path),
+                speculative_num_draft_tokens=3, **ARGS)
+    drafts = []
+    for layout in ({}, {"tp_size": 2}):
+        llm = LLM(str(BUNDLED_MODEL), **layout, **spec)
+        recorded, draft = [], llm.engine.runner.drafter.draft
+        llm.engine.runner.drafter.draft = lambda inputs, kept: recorded.append(draft(inputs, kept)) or recorded[-1]
+        try:
+            assert tokens(llm) == expected
+        finally:
+            llm.engine.shutdown()
+        drafts.append(recorded)
+    assert drafts[0] == drafts[1] and sum(len(d) for step in drafts[0] for d in step) >= 30
     assert not multiprocessing.active_children()
 
 

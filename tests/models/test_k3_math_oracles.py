@@ -256,10 +256,12 @@ def attn_res_mix(sources: list[torch.Tensor], norm: nn.Module, proj: nn.Linear, 
     return sum(p.unsqueeze(-1) * v for p, v in zip(probs, sources))
 
 
-def attn_res_logits(model: KimiForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+def attn_res_logits(model: KimiForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch,
+                    partials: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Spec 3's top-level loop in float64: the block bank B, the running partial P, a snapshot every
     attn_res_block_size layers, the two mixes per layer and the output mix, then the final norm and lm_head.
-    Each sublayer (attention, FFN) is kestrel's own, run in float32 on the oracle's normed input."""
+    Each sublayer (attention, FFN) is kestrel's own, run in float32 on the oracle's normed input. partials, when
+    given, receives P after every layer (what a forward hook on the layer sees in NeMo's K3 model)."""
     config, inner = model.config, model.model
     eps, block = config.rms_norm_eps, config.attn_res_block_size
     bank: list[torch.Tensor] = []
@@ -274,8 +276,37 @@ def attn_res_logits(model: KimiForCausalLM, input_ids: torch.Tensor, batch: Forw
         partial = partial + layer.self_attn(normed.float(), batch).double()
         m = attn_res_mix(bank + [partial], layer.mlp_res_norm, layer.mlp_res_proj, eps)
         partial = partial + layer.ffn(rms_norm(m, layer.post_attention_layernorm.weight, eps).float()).double()
+        if partials is not None:
+            partials[index] = partial
     hidden = attn_res_mix(bank + [partial], inner.output_attn_res_norm, inner.output_attn_res_proj, eps)
     return linear(rms_norm(hidden, inner.norm.weight, eps), model.lm_head)
+
+
+@torch.no_grad()
+def test_layer_outputs_are_what_nemo_hooks_see():
+    """The layer outputs a DFlash draft reads (KimiTextModel.forward's features): with AttnRes, the running partial
+    sum after each named layer (spec 3's loop above, in float64); without, the residual stream a forward hook on the
+    layer sees. Asking for them leaves the hidden states as they were."""
+    model, _ = tiny_model("k3.1-tiny")
+    batch, _ = packed_batch()
+    input_ids = torch.randint(0, model.config.vocab_size, (batch.num_tokens,),
+                              generator=torch.Generator().manual_seed(13))
+    plain = model(input_ids, batch)
+    features = dict.fromkeys((4, 1))
+    assert torch.equal(model.model(input_ids, batch, None, features), plain)
+    partials: dict[int, torch.Tensor] = {}
+    attn_res_logits(model, input_ids, batch, partials)
+    assert_matches(features[4], partials[4], rel=MODEL_REL)
+    assert_matches(features[1], partials[1], rel=MODEL_REL)
+
+    linear_model, _ = tiny_model("kimi-linear-tiny")
+    assert linear_model.config.attn_res_block_size is None
+    hooked: dict[int, torch.Tensor] = {}
+    for i in (0, 2):
+        linear_model.model.layers[i].register_forward_hook(lambda m, a, o, i=i: hooked.__setitem__(i, o))
+    features = dict.fromkeys((0, 2))
+    linear_model.model(input_ids % linear_model.config.vocab_size, batch, None, features)
+    assert torch.equal(features[0], hooked[0]) and torch.equal(features[2], hooked[2])
 
 
 @pytest.mark.parametrize("preset", ["k3-tiny", "k3.1-tiny"])

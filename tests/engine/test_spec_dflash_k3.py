@@ -1,0 +1,219 @@
+"""DFLASH with a published K3 DFlash draft layout (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel), on the bundled
+model with a random draft in that layout: the loader reads NeMo's tensor names and refuses drafts that do not fit;
+every draft equals the draft's argmax computed from scratch by NeMo's math (per-head keys and values over [context
+| block], from the target's layer outputs of one plain forward over the whole sequence) after every engine step,
+through chunked prefill, prefix-cache hits, preemption and rejected drafts; greedy output is plain greedy output.
+In float32, so that near-ties are the only rounding question."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kestrel import LLM, SamplingParams
+from kestrel.config import load_config
+from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
+from kestrel.engine.handoff import Handoff
+from kestrel.layers.activation import glu_activation
+from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.cache import HybridCache
+from kestrel.models.dflash_draft import default_target_layers, load_dflash_draft
+from helpers import BLOCK, MASK, TARGET_LAYERS, assert_idle, nemo_tensors, write_draft
+
+PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dflash") / "draft"
+    write_draft(folder)
+    return folder
+
+
+def dflash(draft_dir, **kw) -> LLM:
+    return LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(draft_dir), speculative_num_draft_tokens=3, page_size=4, **kw)
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def scratch_block_logits(engine, tokens: list[int]) -> torch.Tensor:
+    """NeMo's DFlash forward from scratch: logits [block_size - 1, vocab] of the drafts after tokens[-1] (the
+    anchor), the context being the target's layer outputs over tokens[:-1] from one plain forward in a fresh cache;
+    keys and values expanded per head from [context | block] latents, as KimiK3DFlashAttention computes them."""
+    model, draft = engine.model, engine.drafter.draft_model
+    config, w = draft.config, draft.state_dict()
+    eps, d, heads = config.rms_norm_eps, config.hidden_size, config.num_attention_heads
+    nope, rope, vd, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+    length = len(tokens) - 1
+    cache = HybridCache.allocate(model.config, 1, length, 1, torch.float32)
+    features = dict.fromkeys(TARGET_LAYERS)
+    with torch.inference_mode():
+        model.model(torch.tensor(tokens[:-1]), ForwardBatch.build([length], None, [0], torch.arange(length)[None], 1),
+                    cache, features)
+        outputs = torch.cat([features[i] for i in TARGET_LAYERS], dim=-1)
+        context = rms(outputs @ w["fc.weight"].T, w["hidden_norm.weight"], eps)                 # [S, D]
+        x = model.model.embed_tokens(torch.tensor([tokens[-1]] + [MASK] * (BLOCK - 1)))         # [B, D]
+        act = glu_activation(config)
+        for n in range(config.num_hidden_layers):
+            p = f"layers.{n}."
+            h = rms(x, w[p + "input_layernorm.weight"], eps)
+            q_latent = rms(h @ w[p + "self_attn.q_a_proj.weight"].T, w[p + "self_attn.q_a_layernorm.weight"],
+                           config.mla_norm_eps)
+            q = (q_latent @ w[p + "self_attn.q_b_proj.weight"].T).view(BLOCK, heads, nope + rope)
+            compressed = torch.cat([context, h]) @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T      # [S+B, 576]
+            kv = rms(compressed[:, :rank], w[p + "self_attn.kv_a_layernorm.weight"], config.mla_norm_eps)
+            kv = (kv @ w[p + "self_attn.kv_b_proj.weight"].T).view(-1, heads, nope + vd)
+            keys = torch.cat([kv[..., :nope], compressed[:, None, rank:].expand(-1, heads, rope)], dim=-1)
+            scores = torch.einsum("bhd,shd->hbs", q, keys) * (nope + rope) ** -0.5
+            o = torch.einsum("hbs,shv->bhv", scores.softmax(-1), kv[..., nope:]).reshape(BLOCK, heads * vd)
+            o = o * torch.sigmoid(h @ w[p + "self_attn.g_proj.weight"].T)
+            x = x + o @ w[p + "self_attn.o_proj.weight"].T
+            h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+            x = x + act(h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T) @ w[
+                p + "mlp.down_proj.weight"].T
+        return rms(x, w["norm.weight"], eps)[1:] @ model.lm_head.weight.T
+
+
+def check_drafts(engine) -> tuple[int, dict[str, list[int]]]:
+    """Step engine to the end, checking after every step that each running sequence's drafts are the argmax of
+    scratch_block_logits over its tokens (where no near-tie lets rounding decide): (how many drafts were checked,
+    each finished request's tokens)."""
+    checked, finished = 0, {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        for seq in engine.scheduler.running:
+            if not seq.draft:
+                continue
+            logits = scratch_block_logits(engine, seq.tokens(0, seq.num_tokens))[:len(seq.draft)]
+            top2 = logits.topk(2).values
+            clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
+            expected = logits.argmax(-1).tolist()
+            assert all(g == e for g, e, c in zip(seq.draft, expected, clear) if c)
+            checked += sum(clear)
+    return checked, finished
+
+
+def test_loads_nemo_tensor_names(draft_dir):
+    config = load_config(BUNDLED_MODEL)
+    draft = load_dflash_draft(draft_dir, config)
+    written = nemo_tensors(json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"], 2)
+    state = draft.state_dict()
+    assert set(state) == set(written)
+    assert all(torch.equal(state[name], t) for name, t in written.items())
+    assert (draft.spec.block_size, draft.spec.mask_token_id, draft.spec.target_layer_ids) == (BLOCK, MASK, (1, 4))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_size": 256}, "made for another target: its hidden_size is 256"),
+    ({"dflash_config": {"target_layer_ids": TARGET_LAYERS}}, "mask_token_id must be a token id"),
+    ({"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 9]}}, "target_layer_ids must list layers"),
+    ({"block_size": 1}, "block_size must be an integer of at least 2"),
+    ({"num_hidden_layers": 3}, "does not hold the tensors its config.json describes: missing"),
+])
+def test_refuses_a_draft_that_does_not_fit(tmp_path, changes, message):
+    write_draft(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
+
+
+def test_refuses_a_dflash2_draft(tmp_path):
+    """DFlash 2 (NeMo's draft_qwen3_dflash2.py) adds in-block convolutions and a path selector to every layer."""
+    tensors = write_draft(tmp_path)
+    save_file(tensors | {"candidate_selector.successor_codebook": torch.zeros(4096, 8),
+                         "layers.0.attention_conv.base_kernel": torch.zeros(2, 12)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="is a DFlash 2 draft .* which kestrel does not run yet"):
+        load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
+
+
+def test_default_target_layers_follow_dflash():
+    """DFlash's rule, as NeMo's build_target_layer_ids computes it (numbers worked by hand)."""
+    assert default_target_layers(61, 1) == [30]
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layers(93, 3) == [1, 46, 90]
+
+
+def test_greedy_output_is_plain_and_drafts_are_the_drafts_from_scratch(draft_dir):
+    """Through chunked prefill, prefix-cache hits, preemption and rejected drafts, and a one-token prompt."""
+    engine = dflash(draft_dir, chunked_prefill_size=8, max_total_tokens=96, mamba_scheduler_strategy="extra_buffer",
+                    mamba_track_interval=4).engine
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(BUNDLED_MODEL), dtype="float32").generate(PROMPTS, params)]
+    checked = 0
+    for turn in range(2):                                   # the second turn starts from the prefix cache
+        for i, prompt in enumerate(PROMPTS + ["A"]):
+            engine.add_request(f"{turn}.{i}", prompt, params)
+        turn_checked, finished = check_drafts(engine)
+        checked += turn_checked
+        assert [finished[f"{turn}.{i}"] for i in range(len(PROMPTS))] == expected
+    assert checked >= 60
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache.stats.hits > 0
+    assert engine.spec_stats.verifications > 0
+    assert_idle(engine.scheduler)
+
+
+def test_hicache_brings_the_context_back_with_the_pages(draft_dir):
+    """Pages evicted to host memory and loaded back on a prefix hit hold the draft's context latents too: the drafts
+    after the hit are the drafts from scratch."""
+    engine = dflash(draft_dir, enable_hierarchical_cache=True, max_total_tokens=64, max_mamba_cache_size=4).engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = list(range(100, 122))
+    for i, ids in enumerate([first, *(list(range(200 + 30 * k, 220 + 30 * k)) for k in range(3))]):
+        engine.add_request(f"r{i}", ids, params)
+        check_drafts(engine)
+    stats = engine.scheduler.prefix_cache.stats
+    assert stats.pages_evicted > 0 and stats.pages_loaded == 0
+    engine.add_request("again", first, params)
+    checked, _ = check_drafts(engine)
+    assert stats.pages_loaded > 0 and checked >= 5
+    assert_idle(engine.scheduler)
+
+
+def test_pd_handoffs_carry_the_context_between_dflash_instances_only(draft_dir):
+    """A prefill instance holding the draft writes its context latents into the pages it hands over, so the decode
+    instance's drafts are the drafts from scratch and its output plain greedy output; a plain prefill instance's
+    handoff lacks them and is refused (drafting from unwritten pages would only waste verifications)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    decoder = dflash(draft_dir).engine
+    for prefiller, fits in ((dflash(draft_dir).engine, True), (LLM(str(BUNDLED_MODEL), dtype="float32",
+                                                                   page_size=4).engine, False)):
+        handed: list[Handoff] = []
+        for i, prompt in enumerate(PROMPTS):
+            prefiller.add_request(f"p{i}", prompt, params, handoff=handed.append)
+        while prefiller.has_unfinished_requests():
+            prefiller.step()
+        if not fits:
+            with pytest.raises(ValueError, match="a K3 DFlash draft's context pages on one side only"):
+                decoder.add_prefilled_request("refused", handed[0], params)
+            continue
+        for i, handoff in enumerate(handed):
+            decoder.add_prefilled_request(f"d{i}", handoff, params)
+        checked, finished = check_drafts(decoder)
+        expected = [o.outputs[0].token_ids for o in LLM(str(BUNDLED_MODEL), dtype="float32").generate(PROMPTS, params)]
+        assert [finished[f"d{i}"] for i in range(len(PROMPTS))] == expected and checked >= 20
+    assert_idle(decoder.scheduler)
+
+
+def test_the_context_latents_and_weights_are_in_the_memory_plan(draft_dir):
+    plain = LLM(str(BUNDLED_MODEL), dtype="float32").engine
+    engine = dflash(draft_dir).engine
+    config = plain.model.config
+    draft = sum(t.numel() * t.element_size() for t in engine.drafter.draft_model.state_dict().values())
+    assert engine.plan.weight_bytes == plain.plan.weight_bytes + draft
+    assert engine.plan.kv_bytes_per_token == plain.plan.kv_bytes_per_token + 2 * config.kv_cache_dim * 4
+    assert len(engine.cache.mla) == len(plain.cache.mla) + 2
+    assert "DFlash draft: 1,280 B of each token" in engine.plan.describe()
+
+
+def test_refuses_pipeline_stages_decode_context_parallelism_and_dp_attention(draft_dir):
+    for parallel in ({"pp_size": 2}, {"dcp_size": 2, "tp_size": 2},
+                     {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}):
+        with pytest.raises(ValueError, match="runs without pipeline stages, decode context parallelism and DP"):
+            EngineArgs(model=str(BUNDLED_MODEL), speculative_algorithm="DFLASH",
+                       speculative_draft_model_path=str(draft_dir), **parallel)

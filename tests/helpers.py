@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,6 +84,25 @@ def greedy_generate(model: KimiForCausalLM, prompts: list[list[int]], max_new_to
         ids = torch.tensor([outputs[i][-1] for i in running], device=device)
         next_ids = model.compute_logits(model(ids, batch, cache)).argmax(-1)
     return outputs
+
+
+def check_drafts(engine, draft_logits: Callable[..., torch.Tensor]) -> tuple[int, dict[str, list[int]]]:
+    """Step engine to the end, checking after every step that each running sequence's drafts are the argmax of
+    draft_logits(engine, its tokens) [drafts, vocab], the oracle's, where no near-tie lets rounding decide: (how
+    many drafts were checked, each finished request's tokens)."""
+    checked, finished = 0, {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        for seq in engine.scheduler.running:
+            if not seq.draft:
+                continue
+            logits = draft_logits(engine, seq.tokens(0, seq.num_tokens))[:len(seq.draft)]
+            top2 = logits.topk(2).values
+            clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
+            expected = logits.argmax(-1).tolist()
+            assert all(g == e for g, e, c in zip(seq.draft, expected, clear) if c)
+            checked += sum(clear)
+    return checked, finished
 
 
 TARGET_LAYERS = [1, 4]

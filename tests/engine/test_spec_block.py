@@ -17,7 +17,7 @@ from kestrel.layers.cache import HybridCache
 from kestrel.layers.linear import Linear, LinearGroup, column_major_pays
 from kestrel.layers.moe import MoE
 from kestrel.models.block_draft import block_logits
-from helpers import assert_idle
+from helpers import assert_idle, check_drafts
 
 DRAFT = BUNDLED_MODEL.parent / "k3.1-tiny-dflash"
 PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
@@ -60,25 +60,6 @@ def dflash(**kw) -> LLM:
                speculative_draft_model_path=str(DRAFT), speculative_num_draft_tokens=4, page_size=4, **kw)
 
 
-def check_drafts(engine) -> tuple[int, dict[str, list[int]]]:
-    """Step engine to the end, checking after every step that each running sequence's drafts are the draft's
-    argmax from its whole sequence computed plainly (where no near-tie makes rounding decide): (how many drafts
-    were checked, each finished request's tokens)."""
-    checked, finished = 0, {}
-    while engine.has_unfinished_requests():
-        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
-        for seq in engine.scheduler.running:
-            if not seq.draft:
-                continue
-            logits = plain_block_logits(engine, seq.tokens(0, seq.num_tokens))[:len(seq.draft)]
-            top2 = logits.topk(2).values
-            clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
-            got, expected = list(seq.draft), logits.argmax(-1).tolist()
-            assert all(g == e for g, e, c in zip(got, expected, clear) if c)
-            checked += sum(clear)
-    return checked, finished
-
-
 def test_dflash_drafts_are_the_draft_over_the_whole_sequence():
     """After every step, each sequence's drafts are the block draft's argmax from its whole sequence computed
     plainly: the hidden state the drafter reads is the sequence's own, through chunked prefill, prefix-cache hits,
@@ -89,7 +70,7 @@ def test_dflash_drafts_are_the_draft_over_the_whole_sequence():
     for turn in range(2):                                   # the second turn starts from the prefix cache
         for i, prompt in enumerate(PROMPTS + ["A"]):
             engine.add_request(f"{turn}.{i}", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-        checked += check_drafts(engine)[0]
+        checked += check_drafts(engine, plain_block_logits)[0]
     assert checked >= 100
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache.stats.hits > 0
     assert_idle(engine.scheduler)
@@ -107,7 +88,7 @@ def test_dflash_continues_a_pd_handoff_from_a_plain_prefill_instance():
         prefiller.step()
     for i, handoff in enumerate(handed):
         decoder.add_prefilled_request(f"d{i}", handoff, params)
-    checked, finished = check_drafts(decoder)
+    checked, finished = check_drafts(decoder, plain_block_logits)
     expected = [o.outputs[0].token_ids for o in LLM(str(BUNDLED_MODEL), dtype="float32").generate(PROMPTS, params)]
     assert [finished[f"d{i}"] for i in range(len(PROMPTS))] == expected
     assert checked >= 20 and decoder.spec_stats.accepted_tokens > 0

@@ -21,7 +21,7 @@ from kestrel.layers.activation import glu_activation
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.models.dflash_draft import default_target_layers, load_dflash_draft
-from helpers import BLOCK, MASK, TARGET_LAYERS, assert_idle, nemo_tensors, write_draft
+from helpers import BLOCK, MASK, TARGET_LAYERS, assert_idle, check_drafts, nemo_tensors, write_draft
 
 PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
 
@@ -80,25 +80,6 @@ def scratch_block_logits(engine, tokens: list[int]) -> torch.Tensor:
         return rms(x, w["norm.weight"], eps)[1:] @ model.lm_head.weight.T
 
 
-def check_drafts(engine) -> tuple[int, dict[str, list[int]]]:
-    """Step engine to the end, checking after every step that each running sequence's drafts are the argmax of
-    scratch_block_logits over its tokens (where no near-tie lets rounding decide): (how many drafts were checked,
-    each finished request's tokens)."""
-    checked, finished = 0, {}
-    while engine.has_unfinished_requests():
-        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
-        for seq in engine.scheduler.running:
-            if not seq.draft:
-                continue
-            logits = scratch_block_logits(engine, seq.tokens(0, seq.num_tokens))[:len(seq.draft)]
-            top2 = logits.topk(2).values
-            clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
-            expected = logits.argmax(-1).tolist()
-            assert all(g == e for g, e, c in zip(seq.draft, expected, clear) if c)
-            checked += sum(clear)
-    return checked, finished
-
-
 def test_loads_nemo_tensor_names(draft_dir):
     config = load_config(BUNDLED_MODEL)
     draft = load_dflash_draft(draft_dir, config)
@@ -149,7 +130,7 @@ def test_greedy_output_is_plain_and_drafts_are_the_drafts_from_scratch(draft_dir
     for turn in range(2):                                   # the second turn starts from the prefix cache
         for i, prompt in enumerate(PROMPTS + ["A"]):
             engine.add_request(f"{turn}.{i}", prompt, params)
-        turn_checked, finished = check_drafts(engine)
+        turn_checked, finished = check_drafts(engine, scratch_block_logits)
         checked += turn_checked
         assert [finished[f"{turn}.{i}"] for i in range(len(PROMPTS))] == expected
     assert checked >= 60
@@ -166,11 +147,11 @@ def test_hicache_brings_the_context_back_with_the_pages(draft_dir):
     first = list(range(100, 122))
     for i, ids in enumerate([first, *(list(range(200 + 30 * k, 220 + 30 * k)) for k in range(3))]):
         engine.add_request(f"r{i}", ids, params)
-        check_drafts(engine)
+        check_drafts(engine, scratch_block_logits)
     stats = engine.scheduler.prefix_cache.stats
     assert stats.pages_evicted > 0 and stats.pages_loaded == 0
     engine.add_request("again", first, params)
-    checked, _ = check_drafts(engine)
+    checked, _ = check_drafts(engine, scratch_block_logits)
     assert stats.pages_loaded > 0 and checked >= 5
     assert_idle(engine.scheduler)
 
@@ -194,7 +175,7 @@ def test_pd_handoffs_carry_the_context_between_dflash_instances_only(draft_dir):
             continue
         for i, handoff in enumerate(handed):
             decoder.add_prefilled_request(f"d{i}", handoff, params)
-        checked, finished = check_drafts(decoder)
+        checked, finished = check_drafts(decoder, scratch_block_logits)
         expected = [o.outputs[0].token_ids for o in LLM(str(BUNDLED_MODEL), dtype="float32").generate(PROMPTS, params)]
         assert [finished[f"d{i}"] for i in range(len(PROMPTS))] == expected and checked >= 20
     assert_idle(decoder.scheduler)

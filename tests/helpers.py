@@ -1,5 +1,5 @@
 """Test helpers: tiny random models of each family member, the plain greedy computation the engine must
-reproduce, and a random K3 DFlash draft for the bundled model in NeMo AutoModel's layout."""
+reproduce, and random published-layout DFlash drafts for the bundled model."""
 
 from __future__ import annotations
 
@@ -106,27 +106,39 @@ def check_drafts(engine, draft_logits: Callable[..., torch.Tensor]) -> tuple[int
 
 
 TARGET_LAYERS = [1, 4]
-"""The random DFlash draft's target layers, block size and mask token (the bundled model's vocabulary)."""
+"""The random DFlash drafts' target layers, block size and mask token (the bundled model's vocabulary)."""
 BLOCK = 5
 MASK = 4090
+QWEN = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 36, "intermediate_size": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000.0, "hidden_act": "silu"}
+"""A SpecForge-layout draft's shape (GQA, head_dim unlike hidden / heads) for the bundled model's hidden size."""
 
 
-def nemo_tensors(text: dict, layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under NeMo's names and shapes for a draft of `layers` layers of the K3 text config `text`."""
-    d, heads = text["hidden_size"], text["num_attention_heads"]
-    nope, rope, v, q_rank, kv_rank = (text[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                                        "q_lora_rank", "kv_lora_rank"))
-    inter = text["intermediate_size"]
+def draft_tensors(layout: str, text: dict, layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the layout's names and shapes ("nemo": NeMo's KimiK3DFlashDraftModel for the K3 text
+    config `text`; "specforge": SpecForge's DFlashDraftModel of shape QWEN) for a draft of `layers` layers."""
+    d = text["hidden_size"]
     shapes = {"fc.weight": (d, len(TARGET_LAYERS) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
     for n in range(layers):
         p = f"layers.{n}."
+        if layout == "nemo":
+            heads, inter = text["num_attention_heads"], text["intermediate_size"]
+            nope, rope, v, q_rank, kv_rank = (text[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                "v_head_dim", "q_lora_rank", "kv_lora_rank"))
+            shapes |= {p + "self_attn.q_a_proj.weight": (q_rank, d), p + "self_attn.q_a_layernorm.weight": (q_rank,),
+                       p + "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
+                       p + "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, d),
+                       p + "self_attn.kv_a_layernorm.weight": (kv_rank,),
+                       p + "self_attn.kv_b_proj.weight": (heads * (nope + v), kv_rank),
+                       p + "self_attn.g_proj.weight": (heads * v, d), p + "self_attn.o_proj.weight": (d, heads * v)}
+        else:
+            heads, kv_heads, hd, inter = (QWEN[k] for k in ("num_attention_heads", "num_key_value_heads",
+                                                             "head_dim", "intermediate_size"))
+            shapes |= {p + "self_attn.q_proj.weight": (heads * hd, d), p + "self_attn.o_proj.weight": (d, heads * hd),
+                       p + "self_attn.k_proj.weight": (kv_heads * hd, d),
+                       p + "self_attn.v_proj.weight": (kv_heads * hd, d),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
         shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                   p + "self_attn.q_a_proj.weight": (q_rank, d), p + "self_attn.q_a_layernorm.weight": (q_rank,),
-                   p + "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank),
-                   p + "self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, d),
-                   p + "self_attn.kv_a_layernorm.weight": (kv_rank,),
-                   p + "self_attn.kv_b_proj.weight": (heads * (nope + v), kv_rank),
-                   p + "self_attn.g_proj.weight": (heads * v, d), p + "self_attn.o_proj.weight": (d, heads * v),
                    p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
                    p + "mlp.down_proj.weight": (d, inter)}
     gen = torch.Generator().manual_seed(seed)
@@ -134,18 +146,23 @@ def nemo_tensors(text: dict, layers: int, seed: int = 0) -> dict[str, torch.Tens
                    else torch.randn(shape, generator=gen) * shape[1] ** -0.5) for name, shape in shapes.items()}
 
 
-def write_draft(folder: Path, layers: int = 2, **changes) -> dict[str, torch.Tensor]:
-    """A draft folder as NeMo's build_kimi_k3_dflash_draft_config and save write it (config keys replaced by
-    changes); returns its tensors."""
+def write_draft(folder: Path, layout: str = "nemo", layers: int = 2, **changes) -> dict[str, torch.Tensor]:
+    """A draft folder of the layout for the bundled model, config.json as NeMo's build_kimi_k3_dflash_draft_config
+    (the target's text config, adapted) or SpecForge (a Qwen3 config of shape QWEN) writes it, its keys replaced by
+    changes; returns its tensors."""
     text = json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"]
-    config = copy.deepcopy(text) | {
-        "architectures": ["KimiK3DFlashDraftModel"], "num_hidden_layers": layers, "num_target_layers": 6,
-        "num_experts": None, "num_shared_experts": 0, "num_nextn_predict_layers": 0, "attn_res_block_size": None,
-        "linear_attn_config": {"kda_layers": [], "full_attn_layers": list(range(1, layers + 1))},
-        "tie_word_embeddings": False, "block_size": BLOCK,
-        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TARGET_LAYERS}} | changes
+    dflash = {"block_size": BLOCK, "num_hidden_layers": layers, "num_target_layers": 6,
+              "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TARGET_LAYERS}}
+    if layout == "nemo":
+        config = copy.deepcopy(text) | dflash | {
+            "architectures": ["KimiK3DFlashDraftModel"], "num_experts": None, "num_shared_experts": 0,
+            "num_nextn_predict_layers": 0, "attn_res_block_size": None, "tie_word_embeddings": False,
+            "linear_attn_config": {"kda_layers": [], "full_attn_layers": list(range(1, layers + 1))}}
+    else:
+        config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": text["hidden_size"],
+                  "vocab_size": text["vocab_size"], "attention_bias": False, **QWEN, **dflash}
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    tensors = nemo_tensors(text, layers)
+    (folder / "config.json").write_text(json.dumps(config | changes))
+    tensors = draft_tensors(layout, text, layers)
     save_file(tensors, str(folder / "model.safetensors"))
     return tensors

@@ -70,13 +70,13 @@ class EngineArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None            # HOST:PORT of rank 0's rendezvous (multi-node)
     speculative_algorithm: str = "none"          # none, NGRAM (earlier tokens), NEXTN (MTP), DFLASH (a block draft:
-                                                 # kestrel's own, or a published K3 DFlash draft),
+                                                 # kestrel's own, or a published DFlash draft),
                                                  # STANDALONE (a smaller model sharing the tokenizer)
     speculative_num_draft_tokens: int = 4        # draft tokens verified per step
     speculative_disable_by_batch_size: int | None = None  # draft only while at most this many sequences run
                                                  # (vLLM's flag; above it speculation costs more than it saves)
-    speculative_draft_model_path: str | None = None  # DFLASH: the draft's folder (kestrel block draft or NeMo-layout
-                                                 # K3 DFlash draft); STANDALONE: the draft model's
+    speculative_draft_model_path: str | None = None  # DFLASH: the draft's folder (kestrel block draft or NeMo's or
+                                                 # SpecForge's DFlash draft); STANDALONE: the draft model's
     speculative_token_map: str | None = None     # NEXTN, DFLASH: a file of token ids the drafts are chosen among
                                                  # (SGLang's FR-Spec flag; spec/token_map.py)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
@@ -141,7 +141,7 @@ class EngineArgs:
         if (self.speculative_algorithm == "DFLASH" and (self.pp_size > 1 or self.dcp_size > 1
                                                         or self.enable_dp_attention)
                 and is_dflash_draft(self.speculative_draft_model_path)):
-            raise ValueError("a K3 DFlash draft reads target layers across the whole model and writes its context "
+            raise ValueError("a DFlash draft reads target layers across the whole model and writes its context "
                              "latents beside every token's, so it runs without pipeline stages, decode context "
                              "parallelism and DP attention (--pp-size 1, --dcp-size 1, no --enable-dp-attention).")
 

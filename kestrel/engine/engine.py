@@ -227,7 +227,7 @@ class LLMEngine:
         if handoff.num_pages != pages or spec != handoff_spec(self.handoff_cache, pages) or \
                 not 0 <= handoff.first_token < self.config.vocab_size:
             raise ValueError("the state handed over does not fit this engine's caches (another model, dtype or page "
-                             "size, or a K3 DFlash draft's context pages on one side only).")
+                             "size, or a DFlash draft's context pages on one side only).")
         request = Request(request_id, None, ids, params, next(self._arrivals), priority)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = list(handoff.prompt_logprobs)

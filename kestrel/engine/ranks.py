@@ -102,7 +102,8 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     cache_config = layout.cache_config(config)
     # the MTP drafter's layer (on the last stage) caches latents too
     mtp_layers = 1 if args.speculative_algorithm == "NEXTN" and layout.last_stage else 0
-    draft_layers = draft.num_layers if isinstance(draft, DFlashDraftModel) else 0    # its context latents, paged
+    dflash = isinstance(draft, DFlashDraftModel)         # its context rows are paged beside the latents
+    draft_layers, draft_width = (draft.num_layers, draft.context_width) if dflash else (0, 0)
 
     memory = device_memory(device)
     if device.type == "cpu":        # the ranks on one machine share its memory
@@ -110,7 +111,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
 
     def plan(engine_args: EngineArgs) -> MemoryPlan:
         return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
-                           ssm_dtype, kv_dtype, mtp_layers, draft_config, draft_layers)
+                           ssm_dtype, kv_dtype, mtp_layers, draft_config, draft_layers, draft_width)
 
     args = args.dp_group_args()
     memory_plan = plan(args)
@@ -126,14 +127,15 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     slots, pages = memory_plan.num_slots, memory_plan.num_pages
     try:
         cache = HybridCache.allocate(cache_config, slots + scratch, pages + scratch, memory_plan.page_size,
-                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, layout.dcp_size, draft_layers)
+                                     dtype, ssm_dtype, kv_dtype, device, mtp_layers, layout.dcp_size, draft_layers,
+                                     draft_width)
         draft_cache = None if draft_config is None else HybridCache.allocate(
             draft_config, slots + scratch, pages + scratch, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, device)
     except RuntimeError as e:      # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
         size = (memory_plan.state_pool_bytes + memory_plan.kv_pool_bytes) / 2**30
         raise MemoryPlanError(f"allocating the caches ({size:.2f} GiB) ran out of memory; lower "
                               "--mem-fraction-static, --max-total-tokens or --max-mamba-cache-size.") from e
-    if isinstance(draft, DFlashDraftModel):          # the target's forward writes the draft's context latents
+    if dflash:                                       # the target's forward writes the draft's context rows
         model.model.draft_context = ContextWriter(draft, cache)
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
@@ -167,7 +169,7 @@ def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
                   ) -> MTPDrafter | BlockDrafter | DFlashDrafter | StagedDrafter | None:
     """The drafter that reads the target's hidden states, on this rank's shard: NEXTN's MTP layers, DFLASH's
     block draft (compiled by the torch.compile backend `compile`, if any), which under pipeline stages draft on the
-    last stage (spec.staged), or DFLASH's K3 DFlash draft (eager, one stage); None for the other algorithms."""
+    last stage (spec.staged), or DFLASH's published DFlash draft (eager, one stage); None for the other algorithms."""
     if args.speculative_algorithm not in MODEL_DRAFTERS:
         return None
     model, layout = shard.model, shard.model.par.layout

@@ -8,7 +8,7 @@ free slots). With speculative decoding each running sequence also needs, while i
 state after every verified token (draft tokens + 1 of them, recurrent in fp32: SGLang's extra state slots per
 request); they come off the state share first.
 The KV pool caches the decoder's MLA layers only: the MTP layers get pages when a drafter runs them (mtp_layers),
-and so do a DFlash draft's layers, their latents of the target's context (draft_layers, counted as the draft's).
+and so do a DFlash draft's layers, their rows of the target's context (draft_layers, counted as the draft's).
 A STANDALONE draft model's caches mirror the pools (its state in every slot, its latents in every page), so its
 state per slot and KV per token add to the target's, and each running sequence also keeps up to draft-tokens
 copies of the draft's slot state to roll back to (`draft`).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import ModelConfig
-from ...layers.cache import kv_bytes_per_token, latent_bytes_per_token, state_bytes_per_slot
+from ...layers.cache import kv_bytes_per_token, row_bytes, state_bytes_per_slot
 from ..args import EngineArgs
 
 
@@ -53,9 +53,9 @@ class MemoryPlan:
     max_running_requests: int
     context_length: int
     draft_state_bytes_per_slot: int = 0   # a STANDALONE draft model's share of state_bytes_per_slot
-    draft_kv_bytes_per_token: int = 0     # ... and of kv_bytes_per_token (or a DFlash draft's context latents)
+    draft_kv_bytes_per_token: int = 0     # ... and of kv_bytes_per_token (or a DFlash draft's context rows)
     dcp_size: int = 1                     # ranks each page's tokens are spread over (this rank stores 1 / dcp_size)
-    dflash_layers: int = 0                # a DFlash draft's layers, whose context latents each token holds
+    dflash_layers: int = 0                # a DFlash draft's layers, whose context rows each token holds
 
     @property
     def kv_tokens(self) -> int:
@@ -93,7 +93,7 @@ class MemoryPlan:
                f"roll-back copies per running request), {self.draft_kv_bytes_per_token:,} B of each token"]
               if not self.dflash_layers and (self.draft_state_bytes_per_slot or self.draft_kv_bytes_per_token)
               else []),
-            *([f"  DFlash draft: {self.draft_kv_bytes_per_token:,} B of each token (the context latents of its "
+            *([f"  DFlash draft: {self.draft_kv_bytes_per_token:,} B of each token (the context rows of its "
                f"{self.dflash_layers} layers)"] if self.dflash_layers else []),
             *([f"  speculative verification: {self.verify_tokens} token states of {self.token_state_bytes:,} B per "
                f"running request ({self.verify_bytes / gib:.3f} GiB)"] if self.verify_tokens else []),
@@ -111,11 +111,11 @@ def device_memory(device: torch.device) -> int:
 
 def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory: int, dtype: torch.dtype,
                 ssm_dtype: torch.dtype, kv_dtype: torch.dtype, mtp_layers: int = 0,
-                draft: ModelConfig | None = None, draft_layers: int = 0) -> MemoryPlan:
+                draft: ModelConfig | None = None, draft_layers: int = 0, draft_width: int = 0) -> MemoryPlan:
     """Pool sizes for `memory` bytes of device memory (see the module docstring); mtp_layers: how many MTP
     layers the engine runs (a drafter's; 0 when serving plainly), whose latents the KV pool must hold too; draft:
     the config of a STANDALONE draft model (its weights in weight_bytes), whose caches mirror the pools;
-    draft_layers: a DFlash draft's layers, whose context latents every page holds too."""
+    draft_layers: a DFlash draft's layers, whose context rows (of draft_width values) every page holds too."""
     fraction = args.mem_fraction_static or (0.85 if args.device.startswith("cuda") else 0.1)
     budget = int(memory * fraction)
     rest = budget - weight_bytes
@@ -125,7 +125,7 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
                               "--mem-fraction-static or use a device with more memory.")
     draft_slot = 0 if draft is None else state_bytes_per_slot(draft, dtype, ssm_dtype)
     draft_token = ((0 if draft is None else kv_bytes_per_token(draft, kv_dtype))
-                   + draft_layers * latent_bytes_per_token(config, kv_dtype))
+                   + draft_layers * row_bytes(draft_width, kv_dtype))
     per_slot = state_bytes_per_slot(config, dtype, ssm_dtype) + draft_slot
     per_token = kv_bytes_per_token(config, kv_dtype, mtp_layers) + draft_token
     verify = args.speculative_num_draft_tokens + 1 if args.speculative_algorithm != "none" else 0

@@ -1,15 +1,17 @@
-"""The DFLASH drafter for published K3 DFlash drafts (kestrel.models.dflash_draft): the draft's layers attend to the
-target's context, whose latents the target's forward keeps in pages beside its own (ContextWriter).
+"""The DFLASH drafter for published DFlash drafts (kestrel.models.dflash_draft): the draft's layers attend to the
+target's context, whose rows (per draft layer: an MLA latent, or a rotated key and value) the target's forward keeps
+in pages beside its own latents (ContextWriter).
 
-Each step, for each sequence that may speculate, the drafter reads the latents of its context (every position before
+Each step, for each sequence that may speculate, the drafter reads the rows of its context (every position before
 its anchor, the token after its last computed position) from the draft's pools and runs the draft over the block
-[anchor, MASK, ...]; the argmax of slots 1.. are its drafts (among a token map's tokens with one).
+[anchor, MASK, ...] at the positions after them; the argmax of slots 1.. are its drafts (among a token map's tokens
+with one).
 
-A position's latents depend on the tokens up to it only and are written with the target's own, so they follow them:
-a verification's rejected positions are written again by the forward that next computes them, prefix-cache hits and
-preemption reuse or recompute them with the pages, and PD handoffs and HiCache carry them with the pages (between
-instances that both hold the draft's pools: other handoffs do not fit and are refused). Drafts are deterministic,
-so verify.py's acceptance rule keeps the output distribution the target's.
+A position's rows depend on the tokens up to it only and are written with the target's latents, so they follow
+them: a verification's rejected positions are written again by the forward that next computes them, prefix-cache
+hits and preemption reuse or recompute them with the pages, and PD handoffs and HiCache carry them with the pages
+(between instances that both hold the draft's pools: other handoffs do not fit and are refused). Drafts are
+deterministic, so verify.py's acceptance rule keeps the output distribution the target's.
 """
 
 from __future__ import annotations
@@ -51,12 +53,11 @@ class DFlashDrafter:
 
     def _block_tokens(self, inputs: list[DraftInput]) -> torch.Tensor:
         """Each input's block, drafted from its context: tokens [N, num_slots]."""
-        anchors = [x.start + len(x.next_ids) for x in inputs]           # the anchor's position = the context length
-        longest = max(anchors)
+        anchors = torch.tensor([x.start + len(x.next_ids) for x in inputs], device=self.device)  # = context lengths
         slots = torch.tensor([x.slot for x in inputs], device=self.device)
         table = self.page_table.gather(slots, self._pages(inputs))
-        positions = torch.arange(longest, device=self.device)
-        seen = positions < torch.tensor(anchors, device=self.device).unsqueeze(1)                   # [N, S]
+        positions = torch.arange(int(anchors.max()), device=self.device)
+        seen = positions < anchors.unsqueeze(1)                                                  # [N, S]
         rows = torch.where(seen, kv_rows(table, torch.arange(len(inputs), device=self.device).unsqueeze(1),
                                          positions, self.page_size), 0)
         dtype = self.draft_model.fc.weight.dtype
@@ -64,7 +65,8 @@ class DFlashDrafter:
         spec = self.draft_model.spec
         ids = torch.tensor([[x.next_ids[-1]] + [spec.mask_token_id] * (spec.block_size - 1) for x in inputs],
                            device=self.device)
-        outputs = self.draft_model(self.target.model.embed_tokens(ids), contexts, seen)[:, 1:1 + self.num_slots]
+        block = anchors.unsqueeze(1) + torch.arange(spec.block_size, device=self.device)        # its positions
+        outputs = self.draft_model(self.target.model.embed_tokens(ids), contexts, seen, block)[:, 1:1 + self.num_slots]
         if self.hot_head is not None:
             return self.hot_head(outputs)
         return draft_logits(self.target, self.draft_model, outputs).argmax(-1)

@@ -1,9 +1,10 @@
-"""DFLASH with a published K3 DFlash draft layout (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel), on the bundled
-model with a random draft in that layout: the loader reads NeMo's tensor names and refuses drafts that do not fit;
-every draft equals the draft's argmax computed from scratch by NeMo's math (per-head keys and values over [context
-| block], from the target's layer outputs of one plain forward over the whole sequence) after every engine step,
-through chunked prefill, prefix-cache hits, preemption and rejected drafts; greedy output is plain greedy output.
-In float32, so that near-ties are the only rounding question."""
+"""DFLASH with published DFlash draft layouts (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel, SpecForge's
+DFlashDraftModel), on the bundled model with a random draft of each: the loader reads the layout's tensor names and
+refuses drafts that do not fit; every draft equals the draft's argmax computed from scratch by the layout's own math
+(per-head keys and values over [context | block], RoPE and grouped heads for SpecForge's, from the target's layer
+outputs of one plain forward over the whole sequence) after every engine step, through chunked prefill,
+prefix-cache hits, preemption, rejected drafts, HiCache and PD handoffs; greedy output is plain greedy output. In
+float32, so that near-ties are the only rounding question."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from kestrel import LLM, SamplingParams
@@ -21,15 +23,17 @@ from kestrel.layers.activation import glu_activation
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.models.dflash_draft import default_target_layers, load_dflash_draft
-from helpers import BLOCK, MASK, TARGET_LAYERS, assert_idle, check_drafts, nemo_tensors, write_draft
+from helpers import BLOCK, MASK, QWEN, TARGET_LAYERS, assert_idle, check_drafts, draft_tensors, write_draft
 
 PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
+LAYOUTS = ["nemo", "specforge"]
+TEXT = json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"]
 
 
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dflash") / "draft"
-    write_draft(folder)
+@pytest.fixture(scope="module", params=LAYOUTS)
+def draft_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param) / "draft"
+    write_draft(folder, request.param)
     return folder
 
 
@@ -42,14 +46,53 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def nemo_attention(w: dict, p: str, config, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """KimiK3DFlashAttention: per-head keys and values expanded from the [context | block] latents, the shared key
+    part appended, the output gated. h [B, D] normed block, context [S, D] -> [B, D]."""
+    heads, eps = config.num_attention_heads, config.mla_norm_eps
+    nope, rope, vd, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+    q_latent = rms(h @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], eps)
+    q = (q_latent @ w[p + "q_b_proj.weight"].T).view(BLOCK, heads, nope + rope)
+    compressed = torch.cat([context, h]) @ w[p + "kv_a_proj_with_mqa.weight"].T                      # [S+B, 576]
+    kv = rms(compressed[:, :rank], w[p + "kv_a_layernorm.weight"], eps) @ w[p + "kv_b_proj.weight"].T
+    kv = kv.view(-1, heads, nope + vd)
+    keys = torch.cat([kv[..., :nope], compressed[:, None, rank:].expand(-1, heads, rope)], dim=-1)
+    scores = torch.einsum("bhd,shd->hbs", q, keys) * (nope + rope) ** -0.5
+    o = torch.einsum("hbs,shv->bhv", scores.softmax(-1), kv[..., nope:]).reshape(BLOCK, heads * vd)
+    return (o * torch.sigmoid(h @ w[p + "g_proj.weight"].T)) @ w[p + "o_proj.weight"].T
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb: x [P, heads, hd] at positions [P], rotate_half pairing (i with i + hd/2)."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / QWEN["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return x * emb.cos() + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], dim=-1) * emb.sin()
+
+
+def specforge_attention(w: dict, p: str, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """Qwen3DFlashAttention: q from the block; k, v from [context | block], per-head q_norm and k_norm, RoPE over
+    positions 0..S+B-1 (the queries the last B), KV heads repeated (repeat_kv). h [B, D], context [S, D] -> [B, D]."""
+    heads, kv_heads, hd, eps = (QWEN[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                   "rms_norm_eps"))
+    both = torch.cat([context, h])
+    positions = torch.arange(both.shape[0])
+    q = rope(rms((h @ w[p + "q_proj.weight"].T).view(BLOCK, heads, hd), w[p + "q_norm.weight"], eps),
+             positions[-BLOCK:])
+    k = rope(rms((both @ w[p + "k_proj.weight"].T).view(-1, kv_heads, hd), w[p + "k_norm.weight"], eps), positions)
+    v = (both @ w[p + "v_proj.weight"].T).view(-1, kv_heads, hd)
+    k, v = (x[:, :, None].expand(-1, -1, heads // kv_heads, -1).reshape(-1, heads, hd) for x in (k, v))
+    scores = torch.einsum("bhd,shd->hbs", q, k) * hd ** -0.5
+    return torch.einsum("hbs,shd->bhd", scores.softmax(-1), v).reshape(BLOCK, heads * hd) @ w[p + "o_proj.weight"].T
+
+
 def scratch_block_logits(engine, tokens: list[int]) -> torch.Tensor:
-    """NeMo's DFlash forward from scratch: logits [block_size - 1, vocab] of the drafts after tokens[-1] (the
-    anchor), the context being the target's layer outputs over tokens[:-1] from one plain forward in a fresh cache;
-    keys and values expanded per head from [context | block] latents, as KimiK3DFlashAttention computes them."""
+    """The draft's forward from scratch: logits [block_size - 1, vocab] of the drafts after tokens[-1] (the anchor),
+    the context being the target's layer outputs over tokens[:-1] from one plain forward in a fresh cache."""
     model, draft = engine.model, engine.drafter.draft_model
     config, w = draft.config, draft.state_dict()
-    eps, d, heads = config.rms_norm_eps, config.hidden_size, config.num_attention_heads
-    nope, rope, vd, rank = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+    eps, nemo = config.rms_norm_eps, "layers.0.self_attn.kv_b_proj.weight" in w
     length = len(tokens) - 1
     cache = HybridCache.allocate(model.config, 1, length, 1, torch.float32)
     features = dict.fromkeys(TARGET_LAYERS)
@@ -59,46 +102,44 @@ def scratch_block_logits(engine, tokens: list[int]) -> torch.Tensor:
         outputs = torch.cat([features[i] for i in TARGET_LAYERS], dim=-1)
         context = rms(outputs @ w["fc.weight"].T, w["hidden_norm.weight"], eps)                 # [S, D]
         x = model.model.embed_tokens(torch.tensor([tokens[-1]] + [MASK] * (BLOCK - 1)))         # [B, D]
-        act = glu_activation(config)
+        act = glu_activation(config) if nemo else (lambda gate, up: F.silu(gate) * up)
         for n in range(config.num_hidden_layers):
             p = f"layers.{n}."
             h = rms(x, w[p + "input_layernorm.weight"], eps)
-            q_latent = rms(h @ w[p + "self_attn.q_a_proj.weight"].T, w[p + "self_attn.q_a_layernorm.weight"],
-                           config.mla_norm_eps)
-            q = (q_latent @ w[p + "self_attn.q_b_proj.weight"].T).view(BLOCK, heads, nope + rope)
-            compressed = torch.cat([context, h]) @ w[p + "self_attn.kv_a_proj_with_mqa.weight"].T      # [S+B, 576]
-            kv = rms(compressed[:, :rank], w[p + "self_attn.kv_a_layernorm.weight"], config.mla_norm_eps)
-            kv = (kv @ w[p + "self_attn.kv_b_proj.weight"].T).view(-1, heads, nope + vd)
-            keys = torch.cat([kv[..., :nope], compressed[:, None, rank:].expand(-1, heads, rope)], dim=-1)
-            scores = torch.einsum("bhd,shd->hbs", q, keys) * (nope + rope) ** -0.5
-            o = torch.einsum("hbs,shv->bhv", scores.softmax(-1), kv[..., nope:]).reshape(BLOCK, heads * vd)
-            o = o * torch.sigmoid(h @ w[p + "self_attn.g_proj.weight"].T)
-            x = x + o @ w[p + "self_attn.o_proj.weight"].T
+            x = x + (nemo_attention(w, p + "self_attn.", config, h, context) if nemo
+                     else specforge_attention(w, p + "self_attn.", h, context))
             h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
             x = x + act(h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T) @ w[
                 p + "mlp.down_proj.weight"].T
         return rms(x, w["norm.weight"], eps)[1:] @ model.lm_head.weight.T
 
 
-def test_loads_nemo_tensor_names(draft_dir):
-    config = load_config(BUNDLED_MODEL)
-    draft = load_dflash_draft(draft_dir, config)
-    written = nemo_tensors(json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"], 2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loads_the_layouts_tensor_names(tmp_path, layout):
+    write_draft(tmp_path, layout)
+    draft = load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
     state = draft.state_dict()
+    written = draft_tensors(layout, TEXT, 2)
     assert set(state) == set(written)
     assert all(torch.equal(state[name], t) for name, t in written.items())
     assert (draft.spec.block_size, draft.spec.mask_token_id, draft.spec.target_layer_ids) == (BLOCK, MASK, (1, 4))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"hidden_size": 256}, "made for another target: its hidden_size is 256"),
-    ({"dflash_config": {"target_layer_ids": TARGET_LAYERS}}, "mask_token_id must be a token id"),
-    ({"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 9]}}, "target_layer_ids must list layers"),
-    ({"block_size": 1}, "block_size must be an integer of at least 2"),
-    ({"num_hidden_layers": 3}, "does not hold the tensors its config.json describes: missing"),
+@pytest.mark.parametrize("layout, changes, message", [
+    ("nemo", {"hidden_size": 256}, "made for another target: its hidden_size is 256"),
+    ("nemo", {"kv_lora_rank": 64}, "made for another target: its kv_lora_rank is 64"),
+    ("nemo", {"dflash_config": {"target_layer_ids": TARGET_LAYERS}}, "mask_token_id must be a token id"),
+    ("nemo", {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 9]}},
+     "target_layer_ids must list layers"),
+    ("nemo", {"block_size": 1}, "block_size must be an integer of at least 2"),
+    ("nemo", {"num_hidden_layers": 3}, "does not hold the tensors its config.json describes: missing"),
+    ("specforge", {"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
+    ("specforge", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "no rope_scaling, sliding windows"),
+    ("specforge", {"layer_types": ["full_attention", "sliding_attention"]}, "no rope_scaling, sliding windows"),
+    ("specforge", {"head_dim": 48}, "self_attn.q_proj.weight of shape"),
 ])
-def test_refuses_a_draft_that_does_not_fit(tmp_path, changes, message):
-    write_draft(tmp_path, **changes)
+def test_refuses_a_draft_that_does_not_fit(tmp_path, layout, changes, message):
+    write_draft(tmp_path, layout, **changes)
     with pytest.raises(ValueError, match=message):
         load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
 
@@ -170,7 +211,7 @@ def test_pd_handoffs_carry_the_context_between_dflash_instances_only(draft_dir):
         while prefiller.has_unfinished_requests():
             prefiller.step()
         if not fits:
-            with pytest.raises(ValueError, match="a K3 DFlash draft's context pages on one side only"):
+            with pytest.raises(ValueError, match="a DFlash draft's context pages on one side only"):
                 decoder.add_prefilled_request("refused", handed[0], params)
             continue
         for i, handoff in enumerate(handed):
@@ -181,15 +222,20 @@ def test_pd_handoffs_carry_the_context_between_dflash_instances_only(draft_dir):
     assert_idle(decoder.scheduler)
 
 
-def test_the_context_latents_and_weights_are_in_the_memory_plan(draft_dir):
+def test_the_context_rows_and_weights_are_in_the_memory_plan(draft_dir):
+    """Per draft layer and token: NeMo's, an MLA latent (kv_lora_rank + qk_rope_head_dim); SpecForge's, a key and a
+    value per KV head."""
     plain = LLM(str(BUNDLED_MODEL), dtype="float32").engine
     engine = dflash(draft_dir).engine
-    config = plain.model.config
+    raw = json.loads((draft_dir / "config.json").read_text())
+    width = (raw["kv_lora_rank"] + raw["qk_rope_head_dim"] if "kv_lora_rank" in raw
+             else 2 * raw["num_key_value_heads"] * raw["head_dim"])
     draft = sum(t.numel() * t.element_size() for t in engine.drafter.draft_model.state_dict().values())
     assert engine.plan.weight_bytes == plain.plan.weight_bytes + draft
-    assert engine.plan.kv_bytes_per_token == plain.plan.kv_bytes_per_token + 2 * config.kv_cache_dim * 4
+    assert engine.plan.kv_bytes_per_token == plain.plan.kv_bytes_per_token + 2 * width * 4
     assert len(engine.cache.mla) == len(plain.cache.mla) + 2
-    assert "DFlash draft: 1,280 B of each token" in engine.plan.describe()
+    assert all(pool.latent.values.shape[1] == width for pool in engine.cache.mla[-2:])
+    assert f"DFlash draft: {2 * width * 4:,} B of each token" in engine.plan.describe()
 
 
 def test_refuses_pipeline_stages_decode_context_parallelism_and_dp_attention(draft_dir):

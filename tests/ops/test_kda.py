@@ -280,6 +280,18 @@ def test_uniform_steps_equal_the_naive_recurrence_token_by_token(gate: str, leng
         assert_close_to(token_states[:, t], states, f"states after token {t}")
 
 
+def test_uniform_steps_return_outputs_in_vs_dtype() -> None:
+    """bfloat16 inputs (a bf16 model's verification): o comes back in bfloat16, the states in float32, both the
+    float32 computation's (the bf16 run once crashed the next projection with float32 outputs)."""
+    inputs = make_inputs([4] * 2, GATES[0])
+    per_sequence = [inputs[name].unflatten(0, (2, 4)) for name in ("q", "k", "v", "g", "beta")]
+    o, states = recurrent_kda_uniform(*(x.bfloat16() for x in per_sequence), inputs["initial_state"])
+    o32, states32 = recurrent_kda_uniform(*(x.bfloat16().float() for x in per_sequence), inputs["initial_state"])
+    assert o.dtype == torch.bfloat16 and states.dtype == torch.float32
+    torch.testing.assert_close(o, o32.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(states, states32, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("gate", GATES)
 def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch) -> None:
     """Within compiled_chunk_terms the intra-chunk terms come from a torch.compile'd graph (aot_eager here: the

@@ -203,7 +203,7 @@ def recurrent_kda_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     by L - 1 rounds of substitution (small products that inductor compiles, unlike a triangular solve); then
     S_t = exp(G_t) S + sum_{j<=t} (D_tj k_j)(beta_j r_j)^T and o_t = S_t^T (scale q_t).
     """
-    dtype = _compute_dtype(q, k, v, g, beta, state)
+    dtype, out_dtype = _compute_dtype(q, k, v, g, beta, state), v.dtype
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, g = (x.to(dtype).transpose(1, 2) for x in (q, k, v, g))                 # [N, H, L, K or V]
     beta = beta.to(dtype).transpose(1, 2).unsqueeze(-1)                              # [N, H, L, 1]
@@ -219,7 +219,7 @@ def recurrent_kda_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     states = (decay.unsqueeze(-1) * state.unsqueeze(2)
               + decayed_keys.transpose(-1, -2) @ (beta * residual).unsqueeze(2))    # [N, H, L, K, V]
     o = (q.unsqueeze(-2) * scale @ states).squeeze(-2)
-    return o.transpose(1, 2).to(v.dtype), states.transpose(1, 2)
+    return o.transpose(1, 2).to(out_dtype), states.transpose(1, 2)
 
 
 def _stack_steps(steps: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ class DraftContext(Protocol):
     target_layer_ids: tuple[int, ...]
 
     def write(self, outputs: torch.Tensor, batch: ForwardBatch) -> None:
-        """Store the draft's context latents of batch's new tokens, from those layers' outputs [T, L * D]."""
+        """Store the draft's context rows of batch's new tokens, from those layers' outputs [T, L * D]."""
 
 
 class DecoderLayer(nn.Module):
@@ -194,7 +194,7 @@ class KimiTextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None,
                 features: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """The whole decoder (one stage): input_ids [T] -> pre-final-norm hidden states [T, D]. features: see
-        run_layers. Over a draft_context's cache, the draft's context latents of the new tokens are written beside
+        run_layers. Over a draft_context's cache, the draft's context rows of the new tokens are written beside
         the target's latents."""
         context = self.draft_context if self.draft_context is not None and self.draft_context.cache is cache else None
         if context is not None:

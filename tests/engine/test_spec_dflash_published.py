@@ -244,3 +244,18 @@ def test_refuses_pipeline_stages_decode_context_parallelism_and_dp_attention(dra
         with pytest.raises(ValueError, match="runs without pipeline stages, decode context parallelism and DP"):
             EngineArgs(model=str(BUNDLED_MODEL), speculative_algorithm="DFLASH",
                        speculative_draft_model_path=str(draft_dir), **parallel)
+
+
+@pytest.mark.slow
+def test_compiled_decode_steps_write_the_context_too(draft_dir):
+    """With --enable-torch-compile the decode steps and verifications run as compiled graphs, which must write the
+    draft's context rows as the eager forward does: step by step, the same drafts and tokens as an eager engine
+    (minutes of compiling: outside `make test`)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for compiled in (False, True):
+        llm = dflash(draft_dir, max_running_requests=2, enable_torch_compile=compiled)
+        recorded, draft = [], llm.engine.runner.drafter.draft
+        llm.engine.runner.drafter.draft = lambda inputs, kept: recorded.append(draft(inputs, kept)) or recorded[-1]
+        runs.append(([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)], recorded))
+    assert runs[0] == runs[1] and sum(len(d) for step in runs[0][1] for d in step) >= 10

@@ -102,15 +102,14 @@ class HybridCache:
     def allocate(cls, config: ModelConfig, num_slots: int, num_pages: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
                  kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 mtp_layers: int = 0, dcp_size: int = 1, draft_layers: int = 0,
-                 draft_width: int | None = None) -> HybridCache:
+                 mtp_layers: int = 0, dcp_size: int = 1, draft_layers: int = 0, draft_width: int = 0) -> HybridCache:
         """Storage (uninitialised) for num_slots sequences' KDA state and num_pages pages of MLA cache.
 
         dtype: the conv state's (the model's activations); state_dtype: the recurrent state's; kv_dtype: the paged
         cache's (default dtype; torch.float8_e4m3fn stores FP8 with a scale per token). mtp_layers: how many of the
         model's MTP layers get pages too (after the decoder's); serving runs none, only a drafter would. dcp_size:
-        the ranks one page's tokens are spread over. draft_layers: pages of rows of draft_width values (default a
-        latent's) for a DFlash draft's layers (kestrel.models.dflash_draft), after those.
+        the ranks one page's tokens are spread over. draft_layers: pages of rows of draft_width values for a DFlash
+        draft's layers (kestrel.models.dflash_draft), after those.
         """
         _check_mtp_layers(config, mtp_layers)
         hk = config.kda_num_heads * config.kda_head_dim
@@ -125,7 +124,7 @@ class HybridCache:
             index_keys=(PagedRows.allocate(rows, config.index_head_dim, kv_dtype, device)
                         if config.has_indexer and j < len(config.mla_layers) else None),
         ) for j in range(len(config.mla_layers) + mtp_layers)]
-        mla += [MLAPages(PagedRows.allocate(rows, draft_width or config.kv_cache_dim, kv_dtype, device), None)
+        mla += [MLAPages(PagedRows.allocate(rows, draft_width, kv_dtype, device), None)
                 for _ in range(draft_layers)]
         return cls(kda=kda, mla=mla, page_size=page_size, dcp_size=dcp_size)
 

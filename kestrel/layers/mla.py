@@ -157,14 +157,13 @@ class GatedMLA(nn.Module):
         as it is."""
         return torch.cat([self.kv_a_layernorm(kv[:, :self.latent_dim]), kv[:, self.latent_dim:]], dim=-1)
 
-    def attend_block(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor) -> torch.Tensor:
+    def attend_block(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Blocks of tokens attending, without a causal order, to their context and to each other (a DFlash draft's
         layers, kestrel.models.dflash_draft): x [N, B, hidden] (normed), context [N, S, 576] (cached latents),
-        context_mask [N, S] bool (the context positions each block sees) -> [N, B, hidden]."""
+        mask [N, B, S + B] bool (the keys [context | block] each block token sees) -> [N, B, hidden]."""
         n, b = x.shape[:2]
         q, _, latent, gate = self.project(x.flatten(0, 1))
         keys = torch.cat([context.to(latent.dtype), latent.view(n, b, -1)], dim=1)
-        mask = torch.cat([context_mask, context_mask.new_ones(n, b)], dim=1).unsqueeze(1).expand(n, b, -1)
         o = self._absorbed(q.view(n, b, self.num_heads, -1), keys, mask)
         return self.output(o.reshape(n * b, -1), gate).view(n, b, -1)
 

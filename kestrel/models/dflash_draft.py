@@ -87,11 +87,11 @@ class MLADraftLayer(DecoderLayer):
         """The fused context c [T, D] (at positions [T], unused: NoPE) -> the rows cached for it [T, 576]."""
         return self.self_attn.latents(c)
 
-    def block(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor, positions: torch.Tensor
+    def block(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
               ) -> torch.Tensor:
-        """x [N, B, D] (the block, at positions [N, B]) attending to context rows [N, S, 576] (context_mask [N, S])
-        and to itself -> [N, B, D]."""
-        x = x + self.self_attn.attend_block(self.input_layernorm(x), context, context_mask)
+        """x [N, B, D] (the block, at positions [N, B]) attending to context rows [N, S, 576] and to itself (mask
+        [N, B, S + B]) -> [N, B, D]."""
+        x = x + self.self_attn.attend_block(self.input_layernorm(x), context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -125,17 +125,16 @@ class QwenDraftAttention(nn.Module):
         k = self.rotate(self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)), positions)
         return torch.cat([k.flatten(1), self.v_proj(x)], dim=-1)
 
-    def attend_block(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
-        """x [N, B, D] (normed, at positions [N, B]) attending to context rows [N, S, 2 * kv_heads * head_dim]
-        (context_mask [N, S]) and to itself, without a causal order -> [N, B, D]."""
+    def attend_block(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+        """x [N, B, D] (normed, at positions [N, B]) attending to context rows [N, S, 2 * kv_heads * head_dim] and to
+        itself, without a causal order (mask [N, B, S + B]) -> [N, B, D]."""
         n, b = x.shape[:2]
         q = self.rotate(self.q_norm(self.q_proj(x).view(n, b, self.heads, self.head_dim)), positions)
         rows = torch.cat([context.to(x.dtype), self.context_rows(x.flatten(0, 1), positions.flatten()).view(n, b, -1)],
                          dim=1)
         k, v = (part.unflatten(-1, (self.kv_heads, self.head_dim)).repeat_interleave(self.heads // self.kv_heads, 2)
                 for part in rows.chunk(2, dim=-1))
-        mask = torch.cat([context_mask, context_mask.new_ones(n, b)], dim=1).unsqueeze(1).expand(n, b, -1)
         o = ops.masked_attention(q, k, v, mask, self.head_dim ** -0.5)
         return self.o_proj(o.reshape(n, b, -1))
 
@@ -156,10 +155,10 @@ class QwenDraftLayer(nn.Module):
         """The fused context c [T, D] at positions [T] -> its rows [T, 2 * kv_heads * head_dim]."""
         return self.self_attn.context_rows(c, positions)
 
-    def block(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor, positions: torch.Tensor
+    def block(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
               ) -> torch.Tensor:
         """As MLADraftLayer.block, with this layout's context rows."""
-        x = x + self.self_attn.attend_block(self.input_layernorm(x), context, context_mask, positions)
+        x = x + self.self_attn.attend_block(self.input_layernorm(x), context, mask, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -196,8 +195,10 @@ class DFlashDraftModel(nn.Module):
         normed outputs [N, B, D], whose logits by the target's lm_head draft the tokens after the anchor (slots
         1..)."""
         x = block.to(self.fc.weight.dtype)
+        n, b = x.shape[:2]
+        mask = torch.cat([context_mask, context_mask.new_ones(n, b)], dim=1).unsqueeze(1).expand(n, b, -1)
         for layer, context in zip(self.layers, contexts):
-            x = layer.block(x, context, context_mask, positions)
+            x = layer.block(x, context, mask, positions)
         return self.norm(x)
 
 

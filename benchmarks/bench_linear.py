@@ -4,7 +4,8 @@ Weights of the 437M K3 in benchmarks/bench_llamacpp.py that reach BLOCKED_MIN_WE
 dense MLP's gate and up projections [5632, 1024]) and one of 1024 x 1024 below it, times 1 to 32 rows: the rows of a
 batched decode step or of a verification of a few drafts per sequence. At 1 and 2 torch threads; each point the
 median of ROUNDS calls after a warm-up, the two alternating. "kestrel's path" names what linear runs there (F.linear,
-oneDNN, or blocked_linear); "max |diff|" is the largest difference of its output from F.linear's.
+oneDNN, or blocked_linear); "max |diff|" is the largest difference of its output from F.linear's. Where oneDNN runs,
+also kestrel's Linear once `pack_onednn_weights` has packed its weight (the engine's layout), against F.linear.
 Then the layout `hold_column_major` chooses: F.linear against the same weight held column-major, for the bundled
 model's shapes and ones either side of the rule (COLUMN_MAJOR_SHAPES), at 1, 5, 8 and 32 rows.
 Writes the section "linear" of docs/benchmarks.md.
@@ -94,13 +95,20 @@ def main() -> None:
         torch.set_num_threads(threads)
         for name, shape in SHAPES.items():
             weight = torch.randn(*shape, generator=generator) * shape[1] ** -0.5
+            module = linear_module.Linear(shape[1], shape[0], bias=False)
+            module.weight.data = weight
+            linear_module.pack_onednn_weights(module)
             for rows in ROWS:
                 x = torch.randn(rows, shape[1], generator=generator)
                 ours, theirs = (lambda: linear_module.linear(x, weight)), (lambda: F.linear(x, weight))
                 mine, torch_ms = medians(ours, theirs)
                 diff = float((ours() - theirs()).abs().max())
+                packed = ["-", "-"]
+                if module.packed is not None:
+                    packed_ms, torch_ms_again = medians(lambda: module(x), theirs)
+                    packed = [f"{packed_ms:,.3f}", f"{torch_ms_again / packed_ms:.2f}x"]
                 table.append([threads, name, rows, path(x, weight), f"{torch_ms:,.3f}", f"{mine:,.3f}",
-                              f"{torch_ms / mine:.2f}x", f"{diff:.1e}"])
+                              f"{torch_ms / mine:.2f}x", *packed, f"{diff:.1e}"])
                 print(table[-1], flush=True)
     layout_table = layouts(generator)
     load_after = os.getloadavg()[0]
@@ -114,14 +122,15 @@ def main() -> None:
         "batched GEMM (`blocked_linear`), since MKL streams the whole weight once per two or three of those rows; "
         "on CPUs that prefer oneDNN, weights of at least "
         f"{linear_module.ONEDNN_MIN_WEIGHT:,} elements take oneDNN (this machine: "
-        f"{'oneDNN' if linear_module.ONEDNN else 'MKL'}). Milliseconds per call, medians of {ROUNDS} calls, the "
-        "two alternating.",
+        f"{'oneDNN' if linear_module.ONEDNN else 'MKL'}), from a copy of the weight in oneDNN's own layout "
+        "(`pack_onednn_weights`, \"packed\") at more than one row. Milliseconds per call, medians of "
+        f"{ROUNDS} calls, the two alternating.",
         f"{machine().split(',')[0]}, torch {torch.__version__}, at "
         f"{' and '.join(map(str, THREADS))} torch threads (the table's first column); load average "
         f"{load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores shared with other work, so compare "
         "the ratios, not the absolute times.",
         markdown_table(["threads", "weight", "rows", "kestrel's path", "F.linear ms", "kestrel ms", "speedup",
-                        "max |diff|"], table),
+                        "kestrel, packed ms", "packed speedup", "max |diff|"], table),
         "### Column-major weights",
         "For inference kestrel holds the float32 weights that `linear` leaves to F.linear column-major (same shape "
         "and values, transposed storage; `hold_column_major`) where they have at most "

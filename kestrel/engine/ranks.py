@@ -27,7 +27,7 @@ from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import Parallel
 from ..distributed.pipeline import StageLink
 from ..layers.cache import HybridCache
-from ..layers.linear import fuse_linear_groups, hold_column_major
+from ..layers.linear import fuse_linear_groups, hold_column_major, pack_onednn_weights
 from ..layers.moe import RoutedExperts, hold_dense_experts
 from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
@@ -80,6 +80,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     dense_experts = _hold_dense_experts(model, args, device)
     hold_column_major(model)
     fuse_linear_groups(model)
+    packed = pack_onednn_weights(model)
     dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
@@ -94,6 +95,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     if draft is not None:
         hold_column_major(draft)
         fuse_linear_groups(draft)
+        packed += pack_onednn_weights(draft)
         weights |= _bytes_by_address(draft.state_dict().values())
     hot_head = _hot_head(args, model) if layout.last_stage else None
     if hot_head is not None:
@@ -110,7 +112,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
         memory //= ranks_on_node(layout.world_size, args.nnodes)
 
     def plan(engine_args: EngineArgs) -> MemoryPlan:
-        return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts, memory, dtype,
+        return plan_memory(cache_config, engine_args, sum(weights.values()) + dense_experts + packed, memory, dtype,
                            ssm_dtype, kv_dtype, mtp_layers, draft_config, draft_layers, draft_width)
 
     args = args.dp_group_args()

@@ -24,7 +24,7 @@ class RowParallelLinear(Linear):
         self.par = par
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.par.all_reduce(linear(x, self.weight).contiguous())
+        return self.par.all_reduce(linear(x, self.weight, packed=self.packed).contiguous())
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import kestrel.layers.linear as linear_module
 from kestrel.layers.linear import (BLOCK, ONEDNN_MIN_WEIGHT, Linear, LinearGroup, fuse_linear_groups,
-                                   hold_column_major, linear, onednn_linear, prefers_onednn)
+                                   hold_column_major, linear, onednn_linear, pack_onednn, pack_onednn_weights,
+                                   prefers_onednn)
 from kestrel.layers.parallel import RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -135,6 +136,43 @@ def test_hold_column_major_re_lays_the_small_input_weights_f_linear_runs(onednn,
                 actual = linear(x[:, :m.in_features].to(m.weight.dtype), m.weight, m.bias)
                 torch.testing.assert_close(actual, expected[name], atol=1e-5, rtol=1e-5)
     assert model["head"].weight is model["embed"].weight and model["embed"].weight.is_contiguous()
+
+
+@pytest.mark.parametrize("rows", [(1,), (5,), (32,), (3, 43)])
+def test_a_packed_weight_multiplies_as_the_plain_one(rows, monkeypatch):
+    """oneDNN multiplies by pack_onednn's copy in place of the plain weight (it is the one the op receives) at more
+    than one row, by the plain weight at one; equal to F.linear within float32 rounding, with a bias too."""
+    monkeypatch.setattr(linear_module, "ONEDNN", True)
+    weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(10))
+    packed = pack_onednn(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(11))
+    received, op = [], linear_module.onednn_linear
+    monkeypatch.setattr(linear_module, "onednn_linear", lambda x, w, b: received.append(w) or op(x, w, b))
+    with torch.inference_mode():
+        actual = linear(x, weight, bias, packed)
+    assert len(received) == 1 and received[0] is (weight if x.numel() == 1024 else packed)
+    torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_pack_onednn_weights_packs_the_weights_onednn_multiplies(onednn, monkeypatch):
+    """Only float32 Linears (row-parallel ones too) of at least ONEDNN_MIN_WEIGHT elements get a packed copy, only on
+    CPUs that take oneDNN; the bytes they add are counted; every module's output stays F.linear's, eagerly and
+    compiled by inductor (the packed copy a buffer the graph reads)."""
+    monkeypatch.setattr(linear_module, "ONEDNN", onednn)
+    model = torch.nn.ModuleDict({"big": Linear(1024, 1024), "row": RowParallelLinear(1024, 1024),
+                                 "small": Linear(1024, 256), "bf16": Linear(1024, 1024).bfloat16()})
+    x = torch.randn(7, 1024, generator=torch.Generator().manual_seed(12))
+    with torch.inference_mode():
+        expected = {name: F.linear(x.to(m.weight.dtype), m.weight, m.bias) for name, m in model.items()}
+        assert pack_onednn_weights(model) == (2 * 1024 * 1024 * 4 if onednn else 0)
+        assert [name for name, m in model.items() if m.packed is not None] == (["big", "row"] if onednn else [])
+        for name, m in model.items():
+            tolerance = 1e-2 if name == "bf16" else 1e-5
+            torch.testing.assert_close(m(x.to(m.weight.dtype)), expected[name], atol=tolerance, rtol=tolerance)
+        compiled = torch.compile(model["big"], fullgraph=True, dynamic=False)(x)
+    torch.testing.assert_close(compiled, expected["big"], atol=1e-5, rtol=1e-5)
 
 
 class Block(torch.nn.Module):

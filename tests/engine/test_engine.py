@@ -279,6 +279,23 @@ def test_moe_mxfp8_activations_flag_runs_every_routed_expert_in_w4a8(model_dir):
     assert any(next(iter(a.values())).logprob != next(iter(b.values())).logprob for a, b in zip(*first))
 
 
+def test_packed_onednn_weights_decode_the_same_tokens_counted_in_the_plan(model_dir, monkeypatch):
+    """On a CPU that takes oneDNN, the engine packs the linears oneDNN multiplies (here every one of at least 16K
+    elements: this model's are small) and decodes the unpacked engine's tokens, batched (products of several rows
+    read the packed copies); the copies are planned as weights."""
+    import kestrel.layers.linear as linear_module
+    monkeypatch.setattr(linear_module, "ONEDNN", False)
+    plain = LLM(str(model_dir), page_size=4, dtype="float32")
+    monkeypatch.setattr(linear_module, "ONEDNN", True)
+    monkeypatch.setattr(linear_module, "ONEDNN_MIN_WEIGHT", 1 << 14)
+    packed = LLM(str(model_dir), page_size=4, dtype="float32")
+    held = [m for m in packed.engine.model.modules() if getattr(m, "packed", None) is not None]
+    assert held and packed.engine.plan.weight_bytes - plain.engine.plan.weight_bytes == sum(
+        m.weight.numel() * 4 for m in held)
+    prompts = ids_of(random_prompts(4, seed=6))
+    assert tokens(packed.generate(prompts, greedy(6))) == tokens(plain.generate(prompts, greedy(6)))
+
+
 def test_moe_mxfp8_activations_refuse_expert_widths_off_the_32_blocks(narrow_experts_dir):
     with pytest.raises(ValueError, match=r"multiples of 32, and .*'s are \(\d+, 40\)"):
         LLM(str(narrow_experts_dir), moe_mxfp8_activations=True)

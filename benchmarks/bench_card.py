@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_server import wait_until_up  # noqa: E402
-from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.report import machine, takes_no_options, write_section  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_card.py"
@@ -85,4 +85,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

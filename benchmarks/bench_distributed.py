@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import THREADS, machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import THREADS, machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.config import parse_config  # noqa: E402
 from kestrel.cookbook.hardware import catalog  # noqa: E402
@@ -215,4 +215,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import transformers_kimi_linear  # noqa: E402
-from benchmarks.report import THREADS, machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import THREADS, machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 from kestrel.layers.batch import ForwardBatch  # noqa: E402
@@ -194,4 +194,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import transformers_kimi_linear  # noqa: E402
-from benchmarks.report import THREADS, machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import THREADS, machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel.ops.torch import kda  # noqa: E402
 
 BATCH, SEQ_LEN, HEADS, HEAD_DIM = 4, 512, 4, 64
@@ -156,4 +156,5 @@ Rerun: `{COMMAND}`
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

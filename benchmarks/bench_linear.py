@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel.layers import linear as linear_module  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_linear.py"
@@ -146,4 +146,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

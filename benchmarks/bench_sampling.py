@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import THREADS, machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import THREADS, machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel.engine import sampling  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 from kestrel.engine.sampling import (SampleResult, SamplingParams, SamplingRow, gather_logprobs,  # noqa: E402
@@ -168,4 +168,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks.bench_tokenizer import table_tokens, write_kimi_folder  # noqa: E402
-from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel.engine.structured import GrammarCompiler, StructuredOutputsParams, apply_token_bitmasks  # noqa: E402
 from kestrel.engine.tokenizer import Tokenizer  # noqa: E402
 from replica import NUM_RESERVED  # noqa: E402
@@ -183,4 +183,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from kestrel.engine.tokenizer import Tokenizer  # noqa: E402
 from replica import added_tokens_decoder, tiktoken_encoding  # noqa: E402
 
@@ -141,4 +141,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from benchmarks import transformers_kimi_linear  # noqa: E402
-from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
+from benchmarks.report import machine, markdown_table, takes_no_options, write_section  # noqa: E402
 from corpus import load_corpus  # noqa: E402
 from tiny_config import SEQ_LEN, text_config  # noqa: E402
 from tiny_data import TrainingData  # noqa: E402
@@ -125,4 +125,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    takes_no_options(__doc__)
     main()

@@ -6,6 +6,7 @@ benchmark replaces its section and leaves the others alone.
 
 from __future__ import annotations
 
+import argparse
 import platform
 import re
 from datetime import datetime, timezone
@@ -51,3 +52,9 @@ def write_section(name: str, body: str, doc: Path = DOC) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def takes_no_options(doc: str) -> None:
+    """The command line of a benchmark without options: -h/--help prints its docstring `doc` and exits; any other
+    argument is refused (exit 2) rather than ignored by a run that starts anyway."""
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

@@ -30,7 +30,7 @@ Where oneDNN runs, the weights it multiplies are held a second time for inferenc
 (`pack_onednn_weights`: an opaque copy, +4 bytes per weight of those matrices), which products of more than one row
 take: given a plain weight, oneDNN re-lays it on every call. On the AMD EPYC (2 threads, [4096, 1024] x 2 to 128
 rows) the packed weight multiplies 1.1-2.6x faster, the most at 2-16 rows (a batched decode, a verification's
-drafts), and one packed for PACK_ROWS rows serves every row count as fast as one packed for it. A single row keeps
+drafts; benchmarks/bench_linear.py, "linear"), and one packed for PACK_ROWS rows serves every row count as fast as one packed for it. A single row keeps
 the plain weight: streamed from memory, the packed one read 22% slower (the 437M K3's [32000, 1024] LM head, 5.5
 against 4.5 ms).
 
@@ -163,14 +163,13 @@ def pack_onednn_weights(model: nn.Module) -> int:
     """Give every Linear of model whose products take oneDNN (`linear`'s rule: float32 CPU weights of at least
     ONEDNN_MIN_WEIGHT elements, on CPUs that prefer oneDNN) its weight's pack_onednn copy; returns the bytes they add
     (as many as the weights'). For inference: the copies do not follow later changes to the weights."""
-    added = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (isinstance(module, Linear) and ONEDNN and _large(weight) and weight.device.type == "cpu"
-                and weight.dtype == torch.float32):
-            module.packed = pack_onednn(weight)
-            added += weight.numel() * weight.element_size()
-    return added
+    if not ONEDNN:
+        return 0
+    held = [m for m in model.modules() if isinstance(m, Linear) and _large(m.weight)
+            and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    for module in held:
+        module.packed = pack_onednn(module.weight)
+    return sum(m.weight.numel() * m.weight.element_size() for m in held)
 
 
 class Linear(nn.Linear):

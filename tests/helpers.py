@@ -86,17 +86,22 @@ def greedy_generate(model: KimiForCausalLM, prompts: list[list[int]], max_new_to
     return outputs
 
 
-def check_drafts(engine, draft_logits: Callable[..., torch.Tensor]) -> tuple[int, dict[str, list[int]]]:
+def check_drafts(engine, draft_logits: Callable[..., torch.Tensor], serial: bool = False
+                 ) -> tuple[int, dict[str, list[int]]]:
     """Step engine to the end, checking after every step that each running sequence's drafts are the argmax of
     draft_logits(engine, its tokens) [drafts, vocab], the oracle's, where no near-tie lets rounding decide: (how
-    many drafts were checked, each finished request's tokens)."""
+    many drafts were checked, each finished request's tokens). serial: drafts that depend on the drafts before them
+    (DSpark's Markov head), the oracle called as draft_logits(engine, tokens, drafts) to give each draft's logits
+    after the drafts before it."""
     checked, finished = 0, {}
     while engine.has_unfinished_requests():
         finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
         for seq in engine.scheduler.running:
             if not seq.draft:
                 continue
-            logits = draft_logits(engine, seq.tokens(0, seq.num_tokens))[:len(seq.draft)]
+            tokens = seq.tokens(0, seq.num_tokens)
+            logits = (draft_logits(engine, tokens, list(seq.draft)) if serial
+                      else draft_logits(engine, tokens))[:len(seq.draft)]
             top2 = logits.topk(2).values
             clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()
             expected = logits.argmax(-1).tolist()
@@ -106,22 +111,37 @@ def check_drafts(engine, draft_logits: Callable[..., torch.Tensor]) -> tuple[int
 
 
 TARGET_LAYERS = [1, 4]
-"""The random DFlash drafts' target layers, block size and mask token (the bundled model's vocabulary)."""
+"""The random DFlash drafts' target layers, block size and mask token (the bundled model's vocabulary); DSpark's
+read the embedding and the last layer too (HuggingFace's output_hidden_states convention)."""
+DSPARK_LAYERS = [-1, 2, 5]
 BLOCK = 5
 MASK = 4090
+MARKOV_RANK = 16
 QWEN = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 36, "intermediate_size": 256,
         "rms_norm_eps": 1e-6, "rope_theta": 1000.0, "hidden_act": "silu"}
 """A SpecForge-layout draft's shape (GQA, head_dim unlike hidden / heads) for the bundled model's hidden size."""
 
 
-def draft_tensors(layout: str, text: dict, layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def draft_tensors(layout: str, text: dict, layers: int, seed: int = 0, markov: str = "vanilla"
+                  ) -> dict[str, torch.Tensor]:
     """Random weights under the layout's names and shapes ("nemo": NeMo's KimiK3DFlashDraftModel for the K3 text
-    config `text`; "specforge": SpecForge's DFlashDraftModel of shape QWEN) for a draft of `layers` layers."""
-    d = text["hidden_size"]
-    shapes = {"fc.weight": (d, len(TARGET_LAYERS) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    config `text`; "specforge": SpecForge's DFlashDraftModel of shape QWEN; "dspark" and "dspark-qwen": NeMo's
+    KimiK3DSparkModel and Qwen3DSparkModel (of shape QWEN), with a Markov head of kind `markov` and rank
+    MARKOV_RANK and a confidence head) for a draft of `layers` layers."""
+    d, vocab, r = text["hidden_size"], text["vocab_size"], MARKOV_RANK
+    dspark = layout.startswith("dspark")
+    shapes = {"fc.weight": (d, len(DSPARK_LAYERS if dspark else TARGET_LAYERS) * d), "hidden_norm.weight": (d,),
+              "norm.weight": (d,)}
+    if dspark:
+        shapes |= {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d), "markov_head.markov_w1.weight":
+                   (vocab, r), "markov_head.markov_w2.weight": (vocab, r), "confidence_head.proj.weight": (1, d + r),
+                   "confidence_head.proj.bias": (1,)}
+        shapes |= {"gated": {"markov_head.gate_proj.weight": (r, d + r), "markov_head.gate_proj.bias": (r,)},
+                   "rnn": {"markov_head.joint_proj.weight": (3 * r, 2 * r + d),
+                           "markov_head.joint_proj.bias": (3 * r,)}}.get(markov, {})
     for n in range(layers):
         p = f"layers.{n}."
-        if layout == "nemo":
+        if layout in ("nemo", "dspark"):                    # K3 MLA layers
             heads, inter = text["num_attention_heads"], text["intermediate_size"]
             nope, rope, v, q_rank, kv_rank = (text[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim",
                                                                 "v_head_dim", "q_lora_rank", "kv_lora_rank"))
@@ -146,23 +166,31 @@ def draft_tensors(layout: str, text: dict, layers: int, seed: int = 0) -> dict[s
                    else torch.randn(shape, generator=gen) * shape[1] ** -0.5) for name, shape in shapes.items()}
 
 
-def write_draft(folder: Path, layout: str = "nemo", layers: int = 2, **changes) -> dict[str, torch.Tensor]:
+def write_draft(folder: Path, layout: str = "nemo", layers: int = 2, markov: str = "vanilla", **changes
+                ) -> dict[str, torch.Tensor]:
     """A draft folder of the layout for the bundled model, config.json as NeMo's build_kimi_k3_dflash_draft_config
-    (the target's text config, adapted) or SpecForge (a Qwen3 config of shape QWEN) writes it, its keys replaced by
-    changes; returns its tensors."""
+    or build_kimi_k3_draft_config (DSpark; the target's text config, adapted) or SpecForge (a Qwen3 config of
+    shape QWEN) writes it, its keys replaced by changes; returns its tensors."""
     text = json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"]
     dflash = {"block_size": BLOCK, "num_hidden_layers": layers, "num_target_layers": 6,
               "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TARGET_LAYERS}}
+    nemo = copy.deepcopy(text) | {
+        "num_hidden_layers": layers, "num_target_layers": 6, "num_experts": None, "num_shared_experts": 0,
+        "num_nextn_predict_layers": 0, "attn_res_block_size": None, "tie_word_embeddings": False,
+        "linear_attn_config": {"kda_layers": [], "full_attn_layers": list(range(1, layers + 1))}}
     if layout == "nemo":
-        config = copy.deepcopy(text) | dflash | {
-            "architectures": ["KimiK3DFlashDraftModel"], "num_experts": None, "num_shared_experts": 0,
-            "num_nextn_predict_layers": 0, "attn_res_block_size": None, "tie_word_embeddings": False,
-            "linear_attn_config": {"kda_layers": [], "full_attn_layers": list(range(1, layers + 1))}}
+        config = nemo | dflash | {"architectures": ["KimiK3DFlashDraftModel"]}
     else:
-        config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": text["hidden_size"],
-                  "vocab_size": text["vocab_size"], "attention_bias": False, **QWEN, **dflash}
+        qwen = {"model_type": "qwen3", "hidden_size": text["hidden_size"], "vocab_size": text["vocab_size"],
+                "attention_bias": False, "num_hidden_layers": layers, **QWEN}
+        dspark = {"block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": DSPARK_LAYERS, "num_anchors": 512,
+                  "markov_rank": MARKOV_RANK, "markov_head_type": markov, "enable_confidence_head": True,
+                  "confidence_head_with_markov": True}
+        config = {"dspark": nemo | dspark | {"architectures": ["KimiK3DSparkModel"]},
+                  "dspark-qwen": qwen | dspark | {"architectures": ["Qwen3DSparkModel"]}}.get(
+                      layout, qwen | dflash | {"architectures": ["DFlashDraftModel"]})
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config | changes))
-    tensors = draft_tensors(layout, text, layers)
+    tensors = draft_tensors(layout, text, layers, markov=markov)
     save_file(tensors, str(folder / "model.safetensors"))
     return tensors

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.dflash_draft import is_dflash_draft
+from ..models.dflash_draft import is_dflash_draft, is_dspark_draft
 from ..ops.backend import CHOICES, FAMILIES, set_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -70,7 +70,8 @@ class EngineArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None            # HOST:PORT of rank 0's rendezvous (multi-node)
     speculative_algorithm: str = "none"          # none, NGRAM (earlier tokens), NEXTN (MTP), DFLASH (a block draft:
-                                                 # kestrel's own, or a published DFlash draft),
+                                                 # kestrel's own, or a published DFlash or DSpark draft), DSPARK
+                                                 # (SGLang's name for DFLASH with a DSpark draft),
                                                  # STANDALONE (a smaller model sharing the tokenizer)
     speculative_num_draft_tokens: int = 4        # draft tokens verified per step
     speculative_disable_by_batch_size: int | None = None  # draft only while at most this many sequences run
@@ -86,6 +87,11 @@ class EngineArgs:
     torch_compile_max_bs: int = 32               # largest decode batch run compiled (bigger run eagerly)
 
     def __post_init__(self) -> None:
+        if self.speculative_algorithm == "DSPARK":      # kestrel's DFLASH drafter runs DSpark drafts
+            if not is_dspark_draft(self.speculative_draft_model_path):
+                raise ValueError("--speculative-algorithm DSPARK drafts with a DSpark draft (NeMo's KimiK3DSparkModel "
+                                 "or Qwen3DSparkModel): pass its folder as --speculative-draft-model-path.")
+            self.speculative_algorithm = "DFLASH"
         checks = [
             (self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}"),
             (self.mem_fraction_static is None or 0 < self.mem_fraction_static <= 1, "mem_fraction_static",
@@ -110,7 +116,7 @@ class EngineArgs:
              "no_buffer or extra_buffer"),
             (self.mamba_track_interval >= 1, "mamba_track_interval", "at least 1"),
             (self.speculative_algorithm in ("none", "NGRAM", "NEXTN", "DFLASH", "STANDALONE"), "speculative_algorithm",
-             "none, NGRAM, NEXTN, DFLASH or STANDALONE"),
+             "none, NGRAM, NEXTN, DFLASH, DSPARK or STANDALONE"),
             (self.speculative_algorithm not in ("DFLASH", "STANDALONE") or self.speculative_draft_model_path,
              "speculative_draft_model_path", "set for --speculative-algorithm DFLASH (the block draft's folder) and "
              "STANDALONE (the draft model's folder)"),

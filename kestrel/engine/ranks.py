@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..config import ModelConfig
 from ..distributed.channel import StepChannel, agree_min
@@ -97,7 +98,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
         fuse_linear_groups(draft)
         packed += pack_onednn_weights(draft)
         weights |= _bytes_by_address(draft.state_dict().values())
-    hot_head = _hot_head(args, model) if layout.last_stage else None
+    hot_head = _hot_head(args, model, draft) if layout.last_stage else None
     if hot_head is not None:
         weights |= _bytes_by_address(hot_head.buffers())
     draft_config = draft.config if isinstance(draft, KimiForCausalLM) else None
@@ -152,11 +153,14 @@ def _bytes_by_address(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
 
 
-def _hot_head(args: EngineArgs, model: KimiForCausalLM) -> HotHead | None:
+def _hot_head(args: EngineArgs, model: KimiForCausalLM, draft: nn.Module | None) -> HotHead | None:
     """The drafter's LM head (the MTP layer's for NEXTN, the target's for DFLASH) cut to --speculative-token-map's
     tokens; None without one."""
     if args.speculative_token_map is None:
         return None
+    if isinstance(draft, DFlashDraftModel) and draft.lm_head is not None:
+        raise ValueError("--speculative-token-map cuts the target's LM head, and this DSpark draft drafts through "
+                         "its own lm_head and Markov head; serve it without a token map.")
     if args.speculative_algorithm == "DFLASH":
         head = model.lm_head
     elif model.mtp_layers:

@@ -1,33 +1,42 @@
-"""Published DFlash drafts for the Kimi family: a few dense layers that propose a block of tokens in one non-causal
-forward, their keys and values spanning the target's context as well as the block. Two layouts load:
+"""Published DFlash and DSpark drafts for the Kimi family: a few dense layers that propose a block of tokens in one
+non-causal forward, their keys and values spanning the target's context as well as the block. Three layouts load:
 
 - NVIDIA NeMo AutoModel's `KimiK3DFlashDraftModel` (K3 targets): K3 MLA layers (NoPE, Q-LoRA, output gate) and a
   SiTU MLP, under the K3 checkpoint's names; config.json is the target's text config with num_hidden_layers the
   draft's depth (it has kv_lora_rank);
 - SpecForge's `DFlashDraftModel` (z-lab's DFlash, NeMo's Qwen3 draft; any target): Qwen3 attention (q_proj, k_proj,
-  v_proj, o_proj, per-head q_norm and k_norm, grouped KV heads, RoPE) and a SiLU MLP.
+  v_proj, o_proj, per-head q_norm and k_norm, grouped KV heads, RoPE) and a SiLU MLP;
+- NeMo's DSpark drafts, `KimiK3DSparkModel` and `Qwen3DSparkModel`: the layers of the first or second layout, their
+  own embed_tokens and lm_head, every block slot drafting the token after it, and a Markov head (MarkovHead) that
+  makes each draft depend on the one before it; the confidence head, which schedules how many drafts SGLang
+  verifies, is not loaded (kestrel verifies every draft asked for).
 
 For a sequence whose positions 0..p-1 the target has computed and whose token x_p is known (the anchor):
 
 - the context: at every position s < p, c_s = hidden_norm(fc(the outputs of the target's layers target_layer_ids
   at s, concatenated)), the same c_s for every draft layer (DFlash's "KV injection");
-- the block: the target's embeddings of [x_p, MASK, ..., MASK] (block_size tokens, at positions p..p+block_size-1).
+- the block: the embeddings of [x_p, MASK, ..., MASK] (block_size tokens, at positions p..p+block_size-1).
 
 Each draft layer is a pre-norm decoder layer whose queries are the block's and whose keys and values are those of
-[c_0 .. c_{p-1} | the block], all visible to every block token. `norm` and the target's lm_head turn block slot i's
-output into the draft of x_{p+i} (i = 1..block_size-1).
+[c_0 .. c_{p-1} | the block], all visible to every block token. `norm` and the lm_head turn block slot i's output
+into the draft of x_{p+i} (DFlash: i = 1..block_size-1) or of x_{p+1+i} (DSpark: i = 0..block_size-1). The embedding
+and lm_head are the target's unless the draft holds its own (DSpark).
 
 A context position's keys and values, per draft layer, depend on the prefix alone (an MLA layer's normed latent; a
 Qwen3 layer's normed and rotated key and its value), so the engine keeps them in pages beside the target's: the
 target's forward writes them where it writes its own latents (ContextWriter), so they follow the target's latents
 through verification, prefix caching, preemption, PD handoffs and HiCache; the drafter (kestrel.engine.spec.dflash)
 reads them. The output of target layer i is what a forward hook on that layer returns (as NeMo and SpecForge
-capture it): with AttnRes (K3), the running sum of the current AttnRes block after layer i (KimiTextModel.run_layers).
+capture it): with AttnRes (K3), the running sum of the current AttnRes block after layer i (KimiTextModel.run_layers);
+as in HuggingFace's output_hidden_states, layer -1 is the embedding and the last layer's output is taken after the
+final norm.
 
-A draft folder holds config.json (block_size and dflash_config {mask_token_id, target_layer_ids}, the layout's
-shape keys) and safetensors with `layers.N.{input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}`, `fc`,
-`hidden_norm` and `norm`; the embedding and lm_head are the target's. dflash_config's output_multiplier and
-final_logit_softcapping change the logits monotonically, so drafts (their argmax) do not depend on them.
+A draft folder holds config.json (block_size and dflash_config {mask_token_id, target_layer_ids}, or DSpark's
+top-level block_size, mask_token_id, target_layer_ids, markov_rank and markov_head_type; the layout's shape keys)
+and safetensors with `layers.N.{input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}`, `fc`,
+`hidden_norm` and `norm` (DSpark: also `embed_tokens`, `lm_head`, `markov_head.*`, `confidence_head.*`).
+dflash_config's output_multiplier and final_logit_softcapping change the logits monotonically, so drafts (their
+argmax) do not depend on them.
 """
 
 from __future__ import annotations
@@ -51,19 +60,30 @@ from ..layers.norm import RMSNorm
 from ..layers.parallel import gather_vocab
 from .kimi import DecoderLayer, KimiForCausalLM
 
-ARCHITECTURES = ("KimiK3DFlashDraftModel", "DFlashDraftModel")
+DSPARK = ("KimiK3DSparkModel", "Qwen3DSparkModel")
+ARCHITECTURES = ("KimiK3DFlashDraftModel", "DFlashDraftModel", *DSPARK)
+MARKOV_KINDS = ("vanilla", "gated", "rnn")
 MLA_SHAPE = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
              "qk_rope_head_dim", "v_head_dim")
 """config.json keys an MLA draft shares with its K3 target (NeMo builds its config from the target's)."""
 
 
 def is_dflash_draft(folder: str | Path | None) -> bool:
-    """Whether folder's config.json describes a published DFlash draft (either layout)."""
+    """Whether folder's config.json describes a published DFlash or DSpark draft (any layout: load_dflash_draft
+    refuses the ones kestrel does not run)."""
     path = Path(folder or "") / "config.json"
     if not path.is_file():
         return False
     raw = json.loads(path.read_text())
-    return bool(set(ARCHITECTURES) & set(raw.get("architectures") or [])) or "dflash_config" in raw
+    return (bool(set(ARCHITECTURES) & set(raw.get("architectures") or [])) or "dflash_config" in raw
+            or is_dspark_draft(folder))
+
+
+def is_dspark_draft(folder: str | Path | None) -> bool:
+    """Whether folder's config.json describes a DSpark draft (any layout)."""
+    path = Path(folder or "") / "config.json"
+    return path.is_file() and any(str(a).endswith("DSparkModel")
+                                  for a in json.loads(path.read_text()).get("architectures") or [])
 
 
 @dataclass(frozen=True)
@@ -72,7 +92,14 @@ class DFlashSpec:
 
     block_size: int
     mask_token_id: int
-    target_layer_ids: tuple[int, ...]
+    target_layer_ids: tuple[int, ...]      # -1: the embedding; the target's last layer: its output after the norm
+    first_slot: int = 1                    # the block slot that drafts x_{p+1}: DFlash 1 (slot 0 is the anchor's),
+                                           # DSpark 0 (each slot drafts the token after its position)
+
+    @property
+    def drafts(self) -> int:
+        """Draft tokens per block."""
+        return self.block_size - self.first_slot
 
 
 class MLADraftLayer(DecoderLayer):
@@ -162,10 +189,57 @@ class QwenDraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDraftModel(nn.Module):
-    """The draft's own weights: `layers` (all MLADraftLayer or all QwenDraftLayer), `fc`, `hidden_norm`, `norm`."""
+class MarkovHead(nn.Module):
+    """DSpark's serial head (NeMo's markov_head.py): the logits of a block slot gain a bias from the token before it
+    (the anchor for the first draft, else the draft before), so the drafts of one block depend on each other.
 
-    def __init__(self, config: ModelConfig, spec: DFlashSpec, layers: list[MLADraftLayer] | list[QwenDraftLayer]):
+    With e = markov_w1[previous token] [r] and h the slot's normed output [D]: vanilla, bias = markov_w2 e; gated,
+    markov_w2 (sigmoid(gate_proj [h, e]) * e); rnn, a GRU-like state s [r], zero before the first draft:
+    [g, c, o] = joint_proj [s, e, h], s <- sigmoid(g) s + (1 - sigmoid(g)) tanh(c), bias = markov_w2 tanh(o).
+    """
+
+    def __init__(self, kind: str, vocab: int, rank: int, hidden: int):
+        super().__init__()
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = Linear(rank, vocab, bias=False)
+        if kind == "gated":
+            self.gate_proj = Linear(hidden + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = Linear(2 * rank + hidden, 3 * rank)
+
+    def drafts(self, logits: torch.Tensor, outputs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """logits [N, S, V] fp32 (the slots' own), outputs [N, S, D] (their normed outputs), anchors [N] (the token
+        before the first slot's) -> drafts [N, S] int64, each the argmax of its slot's logits plus the bias from the
+        draft before it."""
+        previous, state, drafts = anchors, None, []
+        for k in range(logits.shape[1]):
+            bias, state = self._bias(previous, outputs[:, k], state)
+            previous = (logits[:, k] + bias.float()).argmax(-1)
+            drafts.append(previous)
+        return torch.stack(drafts, 1)
+
+    def _bias(self, previous: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """previous [N] ids, h [N, D], state [N, r] or None -> (the bias [N, V], the rnn's next state)."""
+        e = self.markov_w1(previous).to(h.dtype)
+        if self.kind == "gated":
+            e = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e
+        elif self.kind == "rnn":
+            state = torch.zeros_like(e) if state is None else state
+            gate, candidate, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
+            gate = torch.sigmoid(gate)
+            state = gate * state + (1 - gate) * torch.tanh(candidate)
+            e = torch.tanh(out)
+        return self.markov_w2(e), state
+
+
+class DFlashDraftModel(nn.Module):
+    """The draft's own weights: `layers` (all MLADraftLayer or all QwenDraftLayer), `fc`, `hidden_norm`, `norm`; a
+    DSpark draft's also `embed_tokens`, `lm_head` (own_head) and its `markov_head` (if its markov_rank is not 0)."""
+
+    def __init__(self, config: ModelConfig, spec: DFlashSpec, layers: list[MLADraftLayer] | list[QwenDraftLayer],
+                 own_head: bool = False, markov_head: MarkovHead | None = None):
         super().__init__()
         self.config, self.spec = config, spec
         d, eps = config.hidden_size, config.rms_norm_eps
@@ -173,6 +247,9 @@ class DFlashDraftModel(nn.Module):
         self.fc = Linear(len(spec.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, eps)
         self.norm = RMSNorm(d, eps)
+        self.embed_tokens = nn.Embedding(config.vocab_size, d) if own_head else None
+        self.lm_head = Linear(d, config.vocab_size, bias=False) if own_head else None
+        self.markov_head = markov_head
 
     @property
     def num_layers(self) -> int:
@@ -192,8 +269,8 @@ class DFlashDraftModel(nn.Module):
                 positions: torch.Tensor) -> torch.Tensor:
         """block [N, B, D]: the embeddings of [anchor, MASK, ...] at positions [N, B]; contexts: per layer, the rows
         of the N sequences' contexts [N, S, W]; context_mask [N, S] bool (False past a sequence's context) -> the
-        normed outputs [N, B, D], whose logits by the target's lm_head draft the tokens after the anchor (slots
-        1..)."""
+        normed outputs [N, B, D], whose logits (draft_logits) draft the tokens after the anchor (from slot
+        spec.first_slot on)."""
         x = block.to(self.fc.weight.dtype)
         n, b = x.shape[:2]
         mask = torch.cat([context_mask, context_mask.new_ones(n, b)], dim=1).unsqueeze(1).expand(n, b, -1)
@@ -219,12 +296,29 @@ class ContextWriter:
             pool.latent.write(batch.kv_write_index, rows)
 
 
+def embed(target: KimiForCausalLM, draft: DFlashDraftModel, ids: torch.Tensor) -> torch.Tensor:
+    """The block's embeddings [..., D] of ids [...]: by the draft's own table if it has one, else the target's."""
+    return (target.model.embed_tokens if draft.embed_tokens is None else draft.embed_tokens)(ids)
+
+
 def draft_logits(target: KimiForCausalLM, draft: DFlashDraftModel, outputs: torch.Tensor) -> torch.Tensor:
-    """The draft's outputs [..., D] -> logits [..., vocab] fp32 by the target's lm_head (not its final norm: the
-    draft applies its own)."""
+    """The draft's outputs [..., D] -> logits [..., vocab] fp32 by its own lm_head if it has one, else the target's
+    (not the target's final norm: the draft applies its own)."""
+    if draft.lm_head is not None:
+        return draft.lm_head(outputs).float()
     flat = outputs.reshape(-1, outputs.shape[-1]).to(target.lm_head.weight.dtype)
     logits = target.lm_head(flat).float()
     return gather_vocab(logits, target.config.vocab_size, target.par.attn).view(*outputs.shape[:-1], -1)
+
+
+def draft_tokens(target: KimiForCausalLM, draft: DFlashDraftModel, outputs: torch.Tensor, anchors: torch.Tensor
+                 ) -> torch.Tensor:
+    """The drafts [N, S] int64 of the drafting slots' outputs [N, S, D] of blocks after anchors [N]: each slot's
+    argmax, through the Markov head when the draft has one."""
+    logits = draft_logits(target, draft, outputs)
+    if draft.markov_head is None:
+        return logits.argmax(-1)
+    return draft.markov_head.drafts(logits, outputs, anchors)
 
 
 def load_dflash_draft(folder: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -233,7 +327,13 @@ def load_dflash_draft(folder: str | Path, target: ModelConfig, dtype: torch.dtyp
     dtype on device; a ValueError naming the problem if it is not one or does not fit the target."""
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
-    spec = _spec(raw, target, folder)
+    architectures = raw.get("architectures") or []
+    others = [a for a in architectures if str(a).endswith("DSparkModel") and a not in DSPARK]
+    if others:
+        raise ValueError(f"the draft in {folder} is a {others[0]}; kestrel runs DSpark drafts of the layouts "
+                         f"{' and '.join(DSPARK)}.")
+    dspark = bool(set(DSPARK) & set(architectures))
+    spec = _spec(raw, target, folder, dspark)
     num_layers = raw.get("num_hidden_layers")
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"{folder / 'config.json'}: num_hidden_layers must be the draft's depth, a positive "
@@ -251,11 +351,13 @@ def load_dflash_draft(folder: str | Path, target: ModelConfig, dtype: torch.dtyp
     else:
         config = dataclasses.replace(config, hidden_act="silu")
         layers = _qwen_layers(raw, config, folder)
-    model = DFlashDraftModel(config, spec, layers)
+    markov = _markov_head(raw, config, folder) if dspark else None
+    model = DFlashDraftModel(config, spec, layers, own_head=dspark, markov_head=markov)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} holds no .safetensors weights for its DFlash draft.")
-    state = {name: t for f in files for name, t in load_file(str(f)).items()}
+    state = {name: t for f in files for name, t in load_file(str(f)).items()
+             if not (dspark and name.startswith("confidence_head."))}       # it only schedules verification
     if any(name.startswith("candidate_selector.") or "_conv." in name for name in state):
         raise ValueError(f"the draft in {folder} is a DFlash 2 draft (in-block convolutions and a path selector), "
                          "which kestrel does not run yet; it runs DFlash drafts (NeMo's KimiK3DFlashDraftModel, "
@@ -301,24 +403,33 @@ def _qwen_layers(raw: dict, config: ModelConfig, folder: Path) -> list[QwenDraft
             for _ in range(config.num_hidden_layers)]
 
 
-def _spec(raw: dict, target: ModelConfig, folder: Path) -> DFlashSpec:
-    """The block size, mask token and target layers of config.json `raw`, checked against the target."""
-    dflash = raw.get("dflash_config") or {}
+def _spec(raw: dict, target: ModelConfig, folder: Path, dspark: bool) -> DFlashSpec:
+    """The block size, mask token and target layers of config.json `raw` (DFlash's dflash_config, or DSpark's top
+    level), checked against the target."""
+    dflash = raw if dspark else raw.get("dflash_config") or {}
     block_size, mask = raw.get("block_size", dflash.get("block_size")), dflash.get("mask_token_id")
     layers = dflash.get("target_layer_ids")
     if layers is None and isinstance(raw.get("num_target_layers"), int):        # NeMo's default choice
         layers = default_target_layers(raw["num_target_layers"], raw.get("num_hidden_layers", 0))
-    where = folder / "config.json"
-    if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"{where}: block_size must be an integer of at least 2, got {block_size!r}.")
+    where, first_slot = folder / "config.json", 0 if dspark else 1
+    if not isinstance(block_size, int) or block_size < first_slot + 1:
+        raise ValueError(f"{where}: block_size must be an integer of at least {first_slot + 1}, got {block_size!r}.")
     if not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
-        raise ValueError(f"{where}: dflash_config.mask_token_id must be a token id below {target.vocab_size}, got "
-                         f"{mask!r}.")
+        raise ValueError(f"{where}: mask_token_id must be a token id below {target.vocab_size}, got {mask!r}.")
     if (not isinstance(layers, list) or not layers
-            or not all(isinstance(i, int) and 0 <= i < target.num_hidden_layers for i in layers)):
-        raise ValueError(f"{where}: dflash_config.target_layer_ids must list layers of the target (0 to "
+            or not all(isinstance(i, int) and -1 <= i < target.num_hidden_layers for i in layers)):
+        raise ValueError(f"{where}: target_layer_ids must list layers of the target (-1, the embedding, to "
                          f"{target.num_hidden_layers - 1}), got {layers!r}.")
-    return DFlashSpec(block_size, mask, tuple(layers))
+    return DFlashSpec(block_size, mask, tuple(layers), first_slot)
+
+
+def _markov_head(raw: dict, config: ModelConfig, folder: Path) -> MarkovHead | None:
+    """A DSpark draft's Markov head as its config.json describes it; None for markov_rank 0."""
+    rank, kind = raw.get("markov_rank", 0), raw.get("markov_head_type", "vanilla")
+    if not isinstance(rank, int) or rank < 0 or kind not in MARKOV_KINDS:
+        raise ValueError(f"{folder / 'config.json'}: markov_rank must be a non-negative integer and markov_head_type "
+                         f"one of {', '.join(MARKOV_KINDS)}; got {rank!r} and {kind!r}.")
+    return MarkovHead(kind, config.vocab_size, rank, config.hidden_size) if rank else None
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -193,14 +193,22 @@ class KimiTextModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None,
                 features: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """The whole decoder (one stage): input_ids [T] -> pre-final-norm hidden states [T, D]. features: see
-        run_layers. Over a draft_context's cache, the draft's context rows of the new tokens are written beside
-        the target's latents."""
+        """The whole decoder (one stage): input_ids [T] -> pre-final-norm hidden states [T, D]. features, when
+        given, receives what HuggingFace's output_hidden_states[i + 1] holds for each of its keys i: -1, the
+        embedding; the last layer, its output after the final norm; another layer, its output (see run_layers).
+        Over a draft_context's cache, the draft's context rows of the new tokens are written beside the target's
+        latents."""
         context = self.draft_context if self.draft_context is not None and self.draft_context.cache is cache else None
         if context is not None:
             features = {} if features is None else features
             features.update({i: None for i in context.target_layer_ids if i not in features})
-        hidden = self.finish(self.run_layers(self.start(input_ids), batch, cache, features))
+        stream = self.start(input_ids)
+        if features is not None and -1 in features:
+            features[-1] = stream[0]
+        hidden = self.finish(self.run_layers(stream, batch, cache, features))
+        last = self.config.num_hidden_layers - 1
+        if features is not None and last in features:
+            features[last] = self.norm(hidden)
         if context is not None:
             context.write(torch.cat([features[i] for i in context.target_layer_ids], dim=-1), batch)
         return hidden

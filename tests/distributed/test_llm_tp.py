@@ -148,11 +148,13 @@ def test_model_drafters_distributed_draft_what_one_process_drafts(expected, one_
     assert not multiprocessing.active_children()
 
 
-def test_a_k3_dflash_draft_at_tp2_drafts_what_one_process_drafts(expected, tmp_path):
-    """A K3 DFlash draft in NeMo's layout (random) at TP2: every rank holds the whole draft and writes its context
-    latents from its own full hidden states; rank 0's drafts, step by step, are one process's, and greedy tokens
-    are plain ones."""
-    write_draft(tmp_path)
+@pytest.mark.parametrize("layout", ["nemo", "dspark"])
+def test_a_k3_dflash_draft_at_tp2_drafts_what_one_process_drafts(expected, tmp_path, layout):
+    """A K3 DFlash or DSpark draft in NeMo's layout (random) at TP2: every rank holds the whole draft and writes its
+    context latents from its own full hidden states (DFlash's logits by the target's vocabulary-split lm_head,
+    DSpark's by its own, through its Markov head); rank 0's drafts, step by step, are one process's, and greedy
+    tokens are plain ones."""
+    write_draft(tmp_path, layout, markov="gated")
     spec = dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(tmp_path),
                 speculative_num_draft_tokens=3, **ARGS)
     drafts = []

@@ -1,10 +1,12 @@
-"""DFLASH with published DFlash draft layouts (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel, SpecForge's
-DFlashDraftModel), on the bundled model with a random draft of each: the loader reads the layout's tensor names and
-refuses drafts that do not fit; every draft equals the draft's argmax computed from scratch by the layout's own math
-(per-head keys and values over [context | block], RoPE and grouped heads for SpecForge's, from the target's layer
-outputs of one plain forward over the whole sequence) after every engine step, through chunked prefill,
-prefix-cache hits, preemption, rejected drafts, HiCache and PD handoffs; greedy output is plain greedy output. In
-float32, so that near-ties are the only rounding question."""
+"""DFLASH with published DFlash and DSpark draft layouts (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel and
+KimiK3DSparkModel, SpecForge's DFlashDraftModel), on the bundled model with a random draft of each: the loader reads
+the layout's tensor names and refuses drafts that do not fit; every draft equals the draft's argmax computed from
+scratch by the layout's own math (per-head keys and values over [context | block], RoPE and grouped heads for
+SpecForge's; DSpark's own embedding and lm_head, every slot drafting, its Markov head after the draft before; from
+the target's layer outputs of one plain forward over the whole sequence, the embedding and the last layer's normed
+output for DSpark's layers -1 and 5) after every engine step, through chunked prefill, prefix-cache hits,
+preemption, rejected drafts, HiCache and PD handoffs; greedy output is plain greedy output. In float32, so that
+near-ties are the only rounding question."""
 
 from __future__ import annotations
 
@@ -23,17 +25,19 @@ from kestrel.layers.activation import glu_activation
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.models.dflash_draft import default_target_layers, load_dflash_draft
-from helpers import BLOCK, MASK, QWEN, TARGET_LAYERS, assert_idle, check_drafts, draft_tensors, write_draft
+from helpers import (BLOCK, DSPARK_LAYERS, MARKOV_RANK, MASK, QWEN, TARGET_LAYERS, assert_idle, check_drafts,
+                     draft_tensors, write_draft)
 
 PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
-LAYOUTS = ["nemo", "specforge"]
+LAYOUTS = ["nemo", "specforge", "dspark", "dspark-qwen"]
+MARKOV_KINDS = ["vanilla", "gated", "rnn"]
 TEXT = json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
 def draft_dir(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param) / "draft"
-    write_draft(folder, request.param)
+    write_draft(folder, request.param, markov="rnn")
     return folder
 
 
@@ -87,21 +91,49 @@ def specforge_attention(w: dict, p: str, h: torch.Tensor, context: torch.Tensor)
     return torch.einsum("hbs,shd->bhd", scores.softmax(-1), v).reshape(BLOCK, heads * hd) @ w[p + "o_proj.weight"].T
 
 
-def scratch_block_logits(engine, tokens: list[int]) -> torch.Tensor:
-    """The draft's forward from scratch: logits [block_size - 1, vocab] of the drafts after tokens[-1] (the anchor),
-    the context being the target's layer outputs over tokens[:-1] from one plain forward in a fresh cache."""
+def markov_logits(w: dict, logits: torch.Tensor, outputs: torch.Tensor, anchor: int, drafts: list[int]
+                  ) -> torch.Tensor:
+    """NeMo's Markov heads (markov_head.py: VanillaMarkov, GatedMarkovHead, RNNHead) over a block's slot logits
+    [S, vocab] and normed outputs [S, D]: row k gains the bias from the token before slot k (the anchor, then
+    drafts[k - 1]) -> [len(drafts), vocab]."""
+    w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    state, rows = torch.zeros(MARKOV_RANK), []
+    for k, previous in enumerate([anchor, *drafts][:len(drafts)]):
+        e, h = w1[previous], outputs[k]
+        if "markov_head.gate_proj.weight" in w:
+            gate = torch.sigmoid(w["markov_head.gate_proj.weight"] @ torch.cat([h, e]) + w["markov_head.gate_proj.bias"])
+            e = gate * e
+        elif "markov_head.joint_proj.weight" in w:
+            z = w["markov_head.joint_proj.weight"] @ torch.cat([state, e, h]) + w["markov_head.joint_proj.bias"]
+            g, c, o = z.chunk(3)
+            state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
+            e = torch.tanh(o)
+        rows.append(logits[k] + w2 @ e)
+    return torch.stack(rows)
+
+
+def scratch_block_logits(engine, tokens: list[int], drafts: list[int]) -> torch.Tensor:
+    """The draft's forward from scratch: logits [drafts, vocab] of the drafts after tokens[-1] (the anchor), the
+    context being the target's layer outputs over tokens[:-1] from one plain forward in a fresh cache (layer -1 the
+    embedding, the last layer's output normed by the final norm: HuggingFace's output_hidden_states); a DSpark
+    draft's through its own embedding and lm_head, from slot 0, and its Markov head after `drafts`."""
     model, draft = engine.model, engine.drafter.draft_model
     config, w = draft.config, draft.state_dict()
-    eps, nemo = config.rms_norm_eps, "layers.0.self_attn.kv_b_proj.weight" in w
+    eps, nemo, dspark = config.rms_norm_eps, "layers.0.self_attn.kv_b_proj.weight" in w, "lm_head.weight" in w
+    layers, last = DSPARK_LAYERS if dspark else TARGET_LAYERS, model.config.num_hidden_layers - 1
     length = len(tokens) - 1
     cache = HybridCache.allocate(model.config, 1, length, 1, torch.float32)
-    features = dict.fromkeys(TARGET_LAYERS)
+    features = {i: None for i in layers if i not in (-1, last)}
+    ids = torch.tensor(tokens[:-1])
     with torch.inference_mode():
-        model.model(torch.tensor(tokens[:-1]), ForwardBatch.build([length], None, [0], torch.arange(length)[None], 1),
-                    cache, features)
-        outputs = torch.cat([features[i] for i in TARGET_LAYERS], dim=-1)
+        hidden = model.model(ids, ForwardBatch.build([length], None, [0], torch.arange(length)[None], 1), cache,
+                             features)
+        features |= {-1: model.model.embed_tokens(ids),
+                     last: rms(hidden, model.model.norm.weight, model.config.rms_norm_eps)}
+        outputs = torch.cat([features[i] for i in layers], dim=-1)
         context = rms(outputs @ w["fc.weight"].T, w["hidden_norm.weight"], eps)                 # [S, D]
-        x = model.model.embed_tokens(torch.tensor([tokens[-1]] + [MASK] * (BLOCK - 1)))         # [B, D]
+        table = w["embed_tokens.weight"] if dspark else model.model.embed_tokens.weight
+        x = table[torch.tensor([tokens[-1]] + [MASK] * (BLOCK - 1))]                            # [B, D]
         act = glu_activation(config) if nemo else (lambda gate, up: F.silu(gate) * up)
         for n in range(config.num_hidden_layers):
             p = f"layers.{n}."
@@ -111,7 +143,14 @@ def scratch_block_logits(engine, tokens: list[int]) -> torch.Tensor:
             h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
             x = x + act(h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T) @ w[
                 p + "mlp.down_proj.weight"].T
-        return rms(x, w["norm.weight"], eps)[1:] @ model.lm_head.weight.T
+        out = rms(x, w["norm.weight"], eps)
+        if not dspark:
+            return out[1:] @ model.lm_head.weight.T
+        return markov_logits(w, out @ w["lm_head.weight"].T, out, tokens[-1], drafts)
+
+
+def check(engine) -> tuple[int, dict[str, list[int]]]:
+    return check_drafts(engine, scratch_block_logits, serial=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -119,10 +158,14 @@ def test_loads_the_layouts_tensor_names(tmp_path, layout):
     write_draft(tmp_path, layout)
     draft = load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
     state = draft.state_dict()
-    written = draft_tensors(layout, TEXT, 2)
+    written = {name: t for name, t in draft_tensors(layout, TEXT, 2).items()
+               if not name.startswith("confidence_head.")}         # DSpark's: it only schedules verification
     assert set(state) == set(written)
     assert all(torch.equal(state[name], t) for name, t in written.items())
-    assert (draft.spec.block_size, draft.spec.mask_token_id, draft.spec.target_layer_ids) == (BLOCK, MASK, (1, 4))
+    layers, first = (DSPARK_LAYERS, 0) if layout.startswith("dspark") else (TARGET_LAYERS, 1)
+    spec = draft.spec
+    assert (spec.block_size, spec.mask_token_id, spec.target_layer_ids, spec.first_slot) == (BLOCK, MASK,
+                                                                                            tuple(layers), first)
 
 
 @pytest.mark.parametrize("layout, changes, message", [
@@ -131,7 +174,16 @@ def test_loads_the_layouts_tensor_names(tmp_path, layout):
     ("nemo", {"dflash_config": {"target_layer_ids": TARGET_LAYERS}}, "mask_token_id must be a token id"),
     ("nemo", {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 9]}},
      "target_layer_ids must list layers"),
+    ("nemo", {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [-2, 1]}},
+     "target_layer_ids must list layers"),
     ("nemo", {"block_size": 1}, "block_size must be an integer of at least 2"),
+    ("dspark", {"block_size": 0}, "block_size must be an integer of at least 1"),
+    ("dspark", {"mask_token_id": 4096}, "mask_token_id must be a token id below 4096"),
+    ("dspark", {"markov_head_type": "lstm"}, "markov_head_type one of vanilla, gated, rnn"),
+    ("dspark", {"markov_rank": 8}, "markov_head.markov_w1.weight of shape"),
+    ("dspark", {"markov_rank": 0}, "unexpected \\['markov_head"),
+    ("dspark", {"architectures": ["Gemma4DSparkModel"]}, "is a Gemma4DSparkModel; kestrel runs DSpark drafts of"),
+    ("dspark-qwen", {"rope_scaling": {"rope_type": "yarn", "factor": 16.0}}, "no rope_scaling, sliding windows"),
     ("nemo", {"num_hidden_layers": 3}, "does not hold the tensors its config.json describes: missing"),
     ("specforge", {"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
     ("specforge", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "no rope_scaling, sliding windows"),
@@ -154,6 +206,44 @@ def test_refuses_a_dflash2_draft(tmp_path):
         load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
 
 
+@pytest.mark.parametrize("kind", MARKOV_KINDS)
+def test_markov_heads_draft_as_nemos_do(tmp_path, kind):
+    """Each Markov head, on random slot logits and outputs: every draft is the argmax of its slot's logits plus the
+    bias NeMo's head computes from the draft before it (the anchor for the first)."""
+    write_draft(tmp_path, "dspark", markov=kind)
+    draft = load_dflash_draft(tmp_path, load_config(BUNDLED_MODEL))
+    gen = torch.Generator().manual_seed(1)
+    logits, outputs = torch.randn(3, BLOCK, 4096, generator=gen), torch.randn(3, BLOCK, TEXT["hidden_size"],
+                                                                             generator=gen)
+    anchors = torch.tensor([5, 77, 4000])
+    with torch.inference_mode():
+        drafts = draft.markov_head.drafts(logits, outputs, anchors).tolist()
+    w = draft.state_dict()
+    for row, anchor in enumerate(anchors.tolist()):
+        expected = markov_logits(w, logits[row], outputs[row], anchor, drafts[row])
+        assert expected.argmax(-1).tolist() == drafts[row]
+    base = logits.argmax(-1).tolist()
+    assert drafts != base                               # the bias changes drafts, so the check above can fail
+
+
+def test_a_dspark_draft_refuses_a_token_map(tmp_path):
+    write_draft(tmp_path, "dspark")
+    with pytest.raises(ValueError, match="this DSpark draft drafts through its own lm_head and Markov head"):
+        LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
+            speculative_draft_model_path=str(tmp_path), speculative_token_map=str(BUNDLED_MODEL / "token_map.pt"))
+
+
+def test_dspark_is_sglangs_name_for_dflash_with_a_dspark_draft(tmp_path):
+    write_draft(tmp_path / "dspark", "dspark")
+    write_draft(tmp_path / "dflash", "nemo")
+    args = EngineArgs(model=str(BUNDLED_MODEL), speculative_algorithm="DSPARK",
+                      speculative_draft_model_path=str(tmp_path / "dspark"))
+    assert args.speculative_algorithm == "DFLASH"
+    for folder in (tmp_path / "dflash", None):
+        with pytest.raises(ValueError, match="DSPARK drafts with a DSpark draft"):
+            EngineArgs(model=str(BUNDLED_MODEL), speculative_algorithm="DSPARK", speculative_draft_model_path=folder)
+
+
 def test_default_target_layers_follow_dflash():
     """DFlash's rule, as NeMo's build_target_layer_ids computes it (numbers worked by hand)."""
     assert default_target_layers(61, 1) == [30]
@@ -171,7 +261,7 @@ def test_greedy_output_is_plain_and_drafts_are_the_drafts_from_scratch(draft_dir
     for turn in range(2):                                   # the second turn starts from the prefix cache
         for i, prompt in enumerate(PROMPTS + ["A"]):
             engine.add_request(f"{turn}.{i}", prompt, params)
-        turn_checked, finished = check_drafts(engine, scratch_block_logits)
+        turn_checked, finished = check(engine)
         checked += turn_checked
         assert [finished[f"{turn}.{i}"] for i in range(len(PROMPTS))] == expected
     assert checked >= 60
@@ -188,11 +278,11 @@ def test_hicache_brings_the_context_back_with_the_pages(draft_dir):
     first = list(range(100, 122))
     for i, ids in enumerate([first, *(list(range(200 + 30 * k, 220 + 30 * k)) for k in range(3))]):
         engine.add_request(f"r{i}", ids, params)
-        check_drafts(engine, scratch_block_logits)
+        check(engine)
     stats = engine.scheduler.prefix_cache.stats
     assert stats.pages_evicted > 0 and stats.pages_loaded == 0
     engine.add_request("again", first, params)
-    checked, _ = check_drafts(engine, scratch_block_logits)
+    checked, _ = check(engine)
     assert stats.pages_loaded > 0 and checked >= 5
     assert_idle(engine.scheduler)
 
@@ -216,7 +306,7 @@ def test_pd_handoffs_carry_the_context_between_dflash_instances_only(draft_dir):
             continue
         for i, handoff in enumerate(handed):
             decoder.add_prefilled_request(f"d{i}", handoff, params)
-        checked, finished = check_drafts(decoder, scratch_block_logits)
+        checked, finished = check(decoder)
         expected = [o.outputs[0].token_ids for o in LLM(str(BUNDLED_MODEL), dtype="float32").generate(PROMPTS, params)]
         assert [finished[f"d{i}"] for i in range(len(PROMPTS))] == expected and checked >= 20
     assert_idle(decoder.scheduler)

@@ -1,11 +1,11 @@
-"""The DFLASH drafter for published DFlash drafts (kestrel.models.dflash_draft): the draft's layers attend to the
-target's context, whose rows (per draft layer: an MLA latent, or a rotated key and value) the target's forward keeps
-in pages beside its own latents (ContextWriter).
+"""The DFLASH drafter for published DFlash and DSpark drafts (kestrel.models.dflash_draft): the draft's layers attend
+to the target's context, whose rows (per draft layer: an MLA latent, or a rotated key and value) the target's forward
+keeps in pages beside its own latents (ContextWriter).
 
 Each step, for each sequence that may speculate, the drafter reads the rows of its context (every position before
 its anchor, the token after its last computed position) from the draft's pools and runs the draft over the block
-[anchor, MASK, ...] at the positions after them; the argmax of slots 1.. are its drafts (among a token map's tokens
-with one).
+[anchor, MASK, ...] at the positions after them; the argmax of its drafting slots (DFlash's 1.., DSpark's 0..) are
+its drafts (among a token map's tokens with one; a DSpark draft's through its Markov head, slot after slot).
 
 A position's rows depend on the tokens up to it only and are written with the target's latents, so they follow
 them: a verification's rejected positions are written again by the forward that next computes them, prefix-cache
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...layers.batch import kv_rows
-from ...models.dflash_draft import ContextWriter, draft_logits
+from ...models.dflash_draft import ContextWriter, draft_tokens, embed
 from ...models.kimi import KimiForCausalLM
 from ..cache.page_table import PageTable
 from .mtp import DraftInput
@@ -27,8 +27,8 @@ from .token_map import HotHead
 
 
 class DFlashDrafter:
-    """Drafts up to num_slots tokens per sequence (at most block_size - 1) with the DFlash draft whose context the
-    target's forward writes (target.model.draft_context)."""
+    """Drafts up to num_slots tokens per sequence (at most the draft's spec.drafts) with the DFlash draft whose
+    context the target's forward writes (target.model.draft_context)."""
 
     def __init__(self, target: KimiForCausalLM, page_table: PageTable, num_slots: int,
                  hot_head: HotHead | None = None):
@@ -36,7 +36,7 @@ class DFlashDrafter:
         self.target, self.draft_model, self.pools = target, context.draft, context.pools
         self.page_size, self.page_table, self.hot_head = context.cache.page_size, page_table, hot_head
         self.device = target.device
-        self.num_slots = min(num_slots, self.draft_model.spec.block_size - 1)
+        self.num_slots = min(num_slots, self.draft_model.spec.drafts)
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput], kept: list[torch.Tensor]) -> list[list[int]]:
@@ -66,10 +66,11 @@ class DFlashDrafter:
         ids = torch.tensor([[x.next_ids[-1]] + [spec.mask_token_id] * (spec.block_size - 1) for x in inputs],
                            device=self.device)
         block = anchors.unsqueeze(1) + torch.arange(spec.block_size, device=self.device)        # its positions
-        outputs = self.draft_model(self.target.model.embed_tokens(ids), contexts, seen, block)[:, 1:1 + self.num_slots]
+        outputs = self.draft_model(embed(self.target, self.draft_model, ids), contexts, seen, block)
+        outputs = outputs[:, spec.first_slot:spec.first_slot + self.num_slots]
         if self.hot_head is not None:
             return self.hot_head(outputs)
-        return draft_logits(self.target, self.draft_model, outputs).argmax(-1)
+        return draft_tokens(self.target, self.draft_model, outputs, ids[:, 0])
 
     def _pages(self, inputs: list[DraftInput]) -> int:
         """The page-table columns the inputs' pages span."""

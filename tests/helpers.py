@@ -117,9 +117,27 @@ DSPARK_LAYERS = [-1, 2, 5]
 BLOCK = 5
 MASK = 4090
 MARKOV_RANK = 16
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+"""A YaRN scaling whose ramp spans several of QWEN's frequencies (dims 0-7 of 18)."""
 QWEN = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 36, "intermediate_size": 256,
         "rms_norm_eps": 1e-6, "rope_theta": 1000.0, "hidden_act": "silu"}
 """A SpecForge-layout draft's shape (GQA, head_dim unlike hidden / heads) for the bundled model's hidden size."""
+
+
+def hf_rope(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """transformers' RoPE initialisation (the reference drafts are trained with): inverse frequencies [head_dim / 2]
+    and the cos/sin factor of a config's scaling dict (none: plain RoPE)."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim), 1.0
+    params = {"rope_theta": theta, **{k: v for k, v in scaling.items() if k != "type"}, "rope_type": kind}
+    config = Qwen3Config(hidden_size=192, num_attention_heads=4, head_dim=head_dim, rope_parameters=params,
+                         max_position_embeddings=int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return ROPE_INIT_FUNCTIONS[kind](config, "cpu")
 
 
 def draft_tensors(layout: str, text: dict, layers: int, seed: int = 0, markov: str = "vanilla"

@@ -5,7 +5,7 @@ non-causal forward, their keys and values spanning the target's context as well 
   SiTU MLP, under the K3 checkpoint's names; config.json is the target's text config with num_hidden_layers the
   draft's depth (it has kv_lora_rank);
 - SpecForge's `DFlashDraftModel` (z-lab's DFlash, NeMo's Qwen3 draft; any target): Qwen3 attention (q_proj, k_proj,
-  v_proj, o_proj, per-head q_norm and k_norm, grouped KV heads, RoPE) and a SiLU MLP;
+  v_proj, o_proj, per-head q_norm and k_norm, grouped KV heads, RoPE, plain or YaRN) and a SiLU MLP;
 - NeMo's DSpark drafts, `KimiK3DSparkModel` and `Qwen3DSparkModel`: the layers of the first or second layout, their
   own embed_tokens and lm_head, every block slot drafting the token after it, and a Markov head (MarkovHead) that
   makes each draft depend on the one before it; the confidence head, which schedules how many drafts SGLang
@@ -57,6 +57,7 @@ from ..layers.cache import HybridCache
 from ..layers.linear import Linear
 from ..layers.moe import GatedMLP
 from ..layers.norm import RMSNorm
+from ..layers.rope import Rope, rope_from_config
 from ..layers.parallel import gather_vocab
 from .kimi import DecoderLayer, KimiForCausalLM
 
@@ -123,13 +124,12 @@ class MLADraftLayer(DecoderLayer):
 
 
 class QwenDraftAttention(nn.Module):
-    """SpecForge's DFlash attention (Qwen3's): per-head q_norm and k_norm, RoPE (rotate-half form), grouped KV heads.
-    Context rows are a position's rotated keys then its values [2 * kv_heads * head_dim]."""
+    """SpecForge's DFlash attention (Qwen3's): per-head q_norm and k_norm, RoPE (rotate-half form, plain or YaRN),
+    grouped KV heads. Context rows are a position's rotated keys then its values [2 * kv_heads * head_dim]."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, rope_theta: float,
-                 bias: bool):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, rope: Rope, bias: bool):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.rope_theta = heads, kv_heads, head_dim, rope_theta
+        self.heads, self.kv_heads, self.head_dim, self.rope = heads, kv_heads, head_dim, rope
         self.q_proj = Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias)
@@ -137,19 +137,9 @@ class QwenDraftAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE of x [..., heads, head_dim] at positions [...] (HF's rotate_half pairing), computed in fp32."""
-        half = self.head_dim // 2
-        inv_freq = self.rope_theta ** -(torch.arange(half, device=x.device, dtype=torch.float32) / half)
-        angles = positions.float().unsqueeze(-1) * inv_freq                                # [..., half]
-        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).unsqueeze(-2) for f in (torch.cos, torch.sin))
-        xf = x.float()
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
-
     def context_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] at positions [T] -> [T, 2 * kv_heads * head_dim]: normed, rotated keys, then values."""
-        k = self.rotate(self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)), positions)
+        k = self.rope.rotate(self.k_norm(self.k_proj(x).view(-1, self.kv_heads, self.head_dim)), positions)
         return torch.cat([k.flatten(1), self.v_proj(x)], dim=-1)
 
     def attend_block(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
@@ -157,7 +147,7 @@ class QwenDraftAttention(nn.Module):
         """x [N, B, D] (normed, at positions [N, B]) attending to context rows [N, S, 2 * kv_heads * head_dim] and to
         itself, without a causal order (mask [N, B, S + B]) -> [N, B, D]."""
         n, b = x.shape[:2]
-        q = self.rotate(self.q_norm(self.q_proj(x).view(n, b, self.heads, self.head_dim)), positions)
+        q = self.rope.rotate(self.q_norm(self.q_proj(x).view(n, b, self.heads, self.head_dim)), positions)
         rows = torch.cat([context.to(x.dtype), self.context_rows(x.flatten(0, 1), positions.flatten()).view(n, b, -1)],
                          dim=1)
         k, v = (part.unflatten(-1, (self.kv_heads, self.head_dim)).repeat_interleave(self.heads // self.kv_heads, 2)
@@ -385,21 +375,27 @@ def _mla_layers(raw: dict, target: ModelConfig, config: ModelConfig, folder: Pat
 
 
 def _qwen_layers(raw: dict, config: ModelConfig, folder: Path) -> list[QwenDraftLayer]:
-    """SpecForge's layout: Qwen3 attention of the config's heads, full attention with plain RoPE."""
+    """SpecForge's layout: Qwen3 attention of the config's heads, full attention with plain or YaRN RoPE."""
     where = folder / "config.json"
     heads = raw.get("num_attention_heads")
     kv_heads = raw.get("num_key_value_heads", heads)
     if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"{where}: num_attention_heads ({heads!r}) must be a multiple of num_key_value_heads "
                          f"({kv_heads!r}).")
-    if raw.get("rope_scaling") or raw.get("hidden_act", "silu") != "silu" or any(
-            kind != "full_attention" for kind in raw.get("layer_types") or []):
-        raise ValueError(f"{where}: kestrel runs SpecForge DFlash drafts of full-attention layers with plain RoPE "
-                         "and a SiLU MLP (no rope_scaling, sliding windows or other activations).")
+    if raw.get("hidden_act", "silu") != "silu" or any(kind != "full_attention"
+                                                      for kind in raw.get("layer_types") or []):
+        raise ValueError(f"{where}: kestrel runs SpecForge DFlash drafts of full-attention layers and a SiLU MLP (no "
+                         "sliding windows or other activations).")
     head_dim = raw.get("head_dim") or config.hidden_size // heads
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}       # transformers 4's or 5's key
+    try:
+        rope = rope_from_config(head_dim, float(raw.get("rope_theta") or scaling.get("rope_theta") or 10000.0),
+                                scaling)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: its RoPE does not load: {e}") from e
+    bias = bool(raw.get("attention_bias", False))
     return [QwenDraftLayer(config, QwenDraftAttention(config.hidden_size, heads, kv_heads, head_dim,
-                                                      config.rms_norm_eps, float(raw.get("rope_theta", 10000.0)),
-                                                      bool(raw.get("attention_bias", False))))
+                                                      config.rms_norm_eps, rope, bias))
             for _ in range(config.num_hidden_layers)]
 
 

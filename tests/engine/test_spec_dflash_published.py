@@ -1,8 +1,9 @@
-"""DFLASH with published DFlash and DSpark draft layouts (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel and
-KimiK3DSparkModel, SpecForge's DFlashDraftModel), on the bundled model with a random draft of each: the loader reads
-the layout's tensor names and refuses drafts that do not fit; every draft equals the draft's argmax computed from
-scratch by the layout's own math (per-head keys and values over [context | block], RoPE and grouped heads for
-SpecForge's; DSpark's own embedding and lm_head, every slot drafting, its Markov head after the draft before; from
+"""DFLASH with published DFlash and DSpark draft layouts (NVIDIA NeMo AutoModel's KimiK3DFlashDraftModel,
+KimiK3DSparkModel and Qwen3DSparkModel, SpecForge's DFlashDraftModel), on the bundled model with a random draft of
+each: the loader reads the layout's tensor names and refuses drafts that do not fit; every draft equals the draft's
+argmax computed from scratch by the layout's own math (per-head keys and values over [context | block], RoPE and
+grouped heads for the Qwen3 layers, YaRN's in transformers' frequencies for the Qwen3 DSpark draft; DSpark's own
+embedding and lm_head, every slot drafting, its Markov head after the draft before; from
 the target's layer outputs of one plain forward over the whole sequence, the embedding and the last layer's normed
 output for DSpark's layers -1 and 5) after every engine step, through chunked prefill, prefix-cache hits,
 preemption, rejected drafts, HiCache and PD handoffs; greedy output is plain greedy output. In float32, so that
@@ -11,6 +12,7 @@ near-ties are the only rounding question."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +27,8 @@ from kestrel.layers.activation import glu_activation
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.models.dflash_draft import default_target_layers, load_dflash_draft
-from helpers import (BLOCK, DSPARK_LAYERS, MARKOV_RANK, MASK, QWEN, TARGET_LAYERS, assert_idle, check_drafts,
-                     draft_tensors, write_draft)
+from helpers import (BLOCK, DSPARK_LAYERS, MARKOV_RANK, MASK, QWEN, TARGET_LAYERS, YARN, assert_idle, check_drafts,
+                     draft_tensors, hf_rope, write_draft)
 
 PROMPTS = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
 LAYOUTS = ["nemo", "specforge", "dspark", "dspark-qwen"]
@@ -37,7 +39,8 @@ TEXT = json.loads((BUNDLED_MODEL / "config.json").read_text())["text_config"]
 @pytest.fixture(scope="module", params=LAYOUTS)
 def draft_dir(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param) / "draft"
-    write_draft(folder, request.param, markov="rnn")
+    scaling = {"rope_scaling": YARN} if request.param == "dspark-qwen" else {}
+    write_draft(folder, request.param, markov="rnn", **scaling)
     return folder
 
 
@@ -66,25 +69,29 @@ def nemo_attention(w: dict, p: str, config, h: torch.Tensor, context: torch.Tens
     return (o * torch.sigmoid(h @ w[p + "g_proj.weight"].T)) @ w[p + "o_proj.weight"].T
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb: x [P, heads, hd] at positions [P], rotate_half pairing (i with i + hd/2)."""
+def rope(x: torch.Tensor, positions: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb: x [P, heads, hd] at positions [P], rotate_half pairing (i with i + hd/2), of
+    transformers' frequencies and cos/sin factor for the config's rope_scaling."""
     hd = x.shape[-1]
-    inv_freq = 1.0 / QWEN["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+    inv_freq, factor = hf_rope(hd, QWEN["rope_theta"], scaling)
     freqs = torch.outer(positions.float(), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return x * emb.cos() + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], dim=-1) * emb.sin()
+    return x * emb.cos() * factor + torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], dim=-1) * emb.sin() * factor
 
 
-def specforge_attention(w: dict, p: str, h: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+def specforge_attention(w: dict, p: str, h: torch.Tensor, context: torch.Tensor, scaling: dict | None
+                        ) -> torch.Tensor:
     """Qwen3DFlashAttention: q from the block; k, v from [context | block], per-head q_norm and k_norm, RoPE over
-    positions 0..S+B-1 (the queries the last B), KV heads repeated (repeat_kv). h [B, D], context [S, D] -> [B, D]."""
+    positions 0..S+B-1 (the queries the last B; YaRN's with rope_scaling), KV heads repeated (repeat_kv).
+    h [B, D], context [S, D] -> [B, D]."""
     heads, kv_heads, hd, eps = (QWEN[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                    "rms_norm_eps"))
     both = torch.cat([context, h])
     positions = torch.arange(both.shape[0])
     q = rope(rms((h @ w[p + "q_proj.weight"].T).view(BLOCK, heads, hd), w[p + "q_norm.weight"], eps),
-             positions[-BLOCK:])
-    k = rope(rms((both @ w[p + "k_proj.weight"].T).view(-1, kv_heads, hd), w[p + "k_norm.weight"], eps), positions)
+             positions[-BLOCK:], scaling)
+    k = rope(rms((both @ w[p + "k_proj.weight"].T).view(-1, kv_heads, hd), w[p + "k_norm.weight"], eps), positions,
+             scaling)
     v = (both @ w[p + "v_proj.weight"].T).view(-1, kv_heads, hd)
     k, v = (x[:, :, None].expand(-1, -1, heads // kv_heads, -1).reshape(-1, heads, hd) for x in (k, v))
     scores = torch.einsum("bhd,shd->hbs", q, k) * hd ** -0.5
@@ -101,8 +108,8 @@ def markov_logits(w: dict, logits: torch.Tensor, outputs: torch.Tensor, anchor: 
     for k, previous in enumerate([anchor, *drafts][:len(drafts)]):
         e, h = w1[previous], outputs[k]
         if "markov_head.gate_proj.weight" in w:
-            gate = torch.sigmoid(w["markov_head.gate_proj.weight"] @ torch.cat([h, e]) + w["markov_head.gate_proj.bias"])
-            e = gate * e
+            e = e * torch.sigmoid(w["markov_head.gate_proj.weight"] @ torch.cat([h, e])
+                                  + w["markov_head.gate_proj.bias"])
         elif "markov_head.joint_proj.weight" in w:
             z = w["markov_head.joint_proj.weight"] @ torch.cat([state, e, h]) + w["markov_head.joint_proj.bias"]
             g, c, o = z.chunk(3)
@@ -121,6 +128,7 @@ def scratch_block_logits(engine, tokens: list[int], drafts: list[int]) -> torch.
     config, w = draft.config, draft.state_dict()
     eps, nemo, dspark = config.rms_norm_eps, "layers.0.self_attn.kv_b_proj.weight" in w, "lm_head.weight" in w
     layers, last = DSPARK_LAYERS if dspark else TARGET_LAYERS, model.config.num_hidden_layers - 1
+    raw = json.loads((Path(engine.args.speculative_draft_model_path) / "config.json").read_text())
     length = len(tokens) - 1
     cache = HybridCache.allocate(model.config, 1, length, 1, torch.float32)
     features = {i: None for i in layers if i not in (-1, last)}
@@ -139,7 +147,7 @@ def scratch_block_logits(engine, tokens: list[int], drafts: list[int]) -> torch.
             p = f"layers.{n}."
             h = rms(x, w[p + "input_layernorm.weight"], eps)
             x = x + (nemo_attention(w, p + "self_attn.", config, h, context) if nemo
-                     else specforge_attention(w, p + "self_attn.", h, context))
+                     else specforge_attention(w, p + "self_attn.", h, context, raw.get("rope_scaling")))
             h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
             x = x + act(h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T) @ w[
                 p + "mlp.down_proj.weight"].T
@@ -183,11 +191,12 @@ def test_loads_the_layouts_tensor_names(tmp_path, layout):
     ("dspark", {"markov_rank": 8}, "markov_head.markov_w1.weight of shape"),
     ("dspark", {"markov_rank": 0}, "unexpected \\['markov_head"),
     ("dspark", {"architectures": ["Gemma4DSparkModel"]}, "is a Gemma4DSparkModel; kestrel runs DSpark drafts of"),
-    ("dspark-qwen", {"rope_scaling": {"rope_type": "yarn", "factor": 16.0}}, "no rope_scaling, sliding windows"),
     ("nemo", {"num_hidden_layers": 3}, "does not hold the tensors its config.json describes: missing"),
     ("specforge", {"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
-    ("specforge", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "no rope_scaling, sliding windows"),
-    ("specforge", {"layer_types": ["full_attention", "sliding_attention"]}, "no rope_scaling, sliding windows"),
+    ("specforge", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope' is not"),
+    ("specforge", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "its RoPE does not load: "
+                                                                          "'original_max_position_embeddings'"),
+    ("specforge", {"layer_types": ["full_attention", "sliding_attention"]}, "no sliding windows or other"),
     ("specforge", {"head_dim": 48}, "self_attn.q_proj.weight of shape"),
 ])
 def test_refuses_a_draft_that_does_not_fit(tmp_path, layout, changes, message):

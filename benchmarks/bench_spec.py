@@ -40,21 +40,23 @@ WARMUP_PASSES = 3
 OUTPUT_TOKENS = 96
 DFLASH = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 4,
           "speculative_draft_model_path": str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")}
+CUT = {**DFLASH, "speculative_num_draft_tokens": 6, "speculative_draft_min_confidence": 0.1}
 COMPILED = {"enable_torch_compile": True}
 TOKEN_MAP = {"speculative_token_map": str(BUNDLED_MODEL / "token_map.pt")}
 DENSE, PACKED = {"moe_dense_experts": "float32"}, {"moe_dense_experts": "none"}
 CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
            "NEXTN k=1": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 1},
            "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},
-           "DFLASH k=4": DFLASH, "DFLASH k=4, token map": {**DFLASH, **TOKEN_MAP},
+           "DFLASH k=4": DFLASH, "DFLASH k=6, cut 0.1": CUT, "DFLASH k=4, token map": {**DFLASH, **TOKEN_MAP},
            "plain, packed experts": PACKED, "DFLASH k=4, packed experts": {**DFLASH, **PACKED},
            "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED},
+           "DFLASH k=6, cut 0.1, compiled": {**CUT, **COMPILED},
            "DFLASH k=4, compiled, token map": {**DFLASH, **COMPILED, **TOKEN_MAP},
            "DFLASH k=4, compiled, off above 1 sequence": {**DFLASH, **COMPILED,
                                                          "speculative_disable_by_batch_size": 1}}
 """Every configuration holds the MXFP4 experts as a float32 copy (DENSE) unless it says "packed experts"; the
 compiled and packed configurations are compared with plain decoding of the same kind, the others with plain."""
-BETWEEN = ["plain", "DFLASH k=4", "plain, compiled", "DFLASH k=4, compiled",
+BETWEEN = ["plain", "DFLASH k=4", "DFLASH k=6, cut 0.1", "plain, compiled", "DFLASH k=4, compiled",
            "DFLASH k=4, compiled, off above 1 sequence"]
 CONCURRENCY = {1: list(CONFIGS), 2: BETWEEN, 4: BETWEEN, 8: list(CONFIGS)}
 """The configurations run at each concurrency: all at 1 and 8, the block draft against plain between (where
@@ -154,7 +156,9 @@ def main() -> None:
         "eager decoding. \"off above 1 sequence\": `speculative_disable_by_batch_size` 1, no drafts while more "
         "than one sequence runs (compiled, speculation stops paying at 2). \"token map\": "
         "`--speculative-token-map models/k3.1-tiny/token_map.pt`, the block draft choosing among the 1,024 tokens "
-        "the model writes most (FR-Spec; its lm_head product cut to those rows). Acceptance length: tokens emitted "
+        "the model writes most (FR-Spec; its lm_head product cut to those rows). \"cut 0.1\": blocks of up to 6 "
+        "drafts cut before the draft at which the product of the block draft's probabilities of its drafts falls "
+        "below 0.1 (`--speculative-draft-min-confidence 0.1`). Acceptance length: tokens emitted "
         "per verification step. Each configuration ran untimed until a pass compiled no new graph (at most "
         f"{WARMUP_PASSES} passes), then {ROUNDS} times, the configurations taking turns group by group; the table "
         "keeps the best time. "

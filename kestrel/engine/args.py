@@ -76,6 +76,8 @@ class EngineArgs:
     speculative_num_draft_tokens: int = 4        # draft tokens verified per step
     speculative_disable_by_batch_size: int | None = None  # draft only while at most this many sequences run
                                                  # (vLLM's flag; above it speculation costs more than it saves)
+    speculative_draft_min_confidence: float = 0.0  # DFLASH (kestrel's block draft): a block stops before the draft
+                                                 # at which the product of the draft's probabilities falls below it
     speculative_draft_model_path: str | None = None  # DFLASH: the draft's folder (kestrel block draft or NeMo's or
                                                  # SpecForge's DFlash draft); STANDALONE: the draft model's
     speculative_token_map: str | None = None     # NEXTN, DFLASH: a file of token ids the drafts are chosen among
@@ -126,6 +128,9 @@ class EngineArgs:
             (self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens", "at least 1"),
             (self.speculative_disable_by_batch_size is None or self.speculative_disable_by_batch_size >= 1,
              "speculative_disable_by_batch_size", "at least 1"),
+            (0 <= self.speculative_draft_min_confidence < 1, "speculative_draft_min_confidence", "in [0, 1)"),
+            (not self.speculative_draft_min_confidence or self.speculative_algorithm == "DFLASH",
+             "speculative_draft_min_confidence", "set only with --speculative-algorithm DFLASH"),
             (self.hicache_ratio > 0, "hicache_ratio", "positive"),
             (self.hicache_size >= 0, "hicache_size", "at least 0"),
             (self.hicache_storage_backend in ("none", "file"), "hicache_storage_backend", "none or file"),

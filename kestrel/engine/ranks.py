@@ -186,9 +186,13 @@ def model_drafter(args: EngineArgs, shard: RankShard, compile: str | None = None
     if layout.last_stage and args.speculative_algorithm == "NEXTN":
         local = MTPDrafter(model, shard.cache, shard.page_table, shard.hot_head)
     elif isinstance(shard.draft, DFlashDraftModel):
+        if args.speculative_draft_min_confidence:
+            raise ValueError("--speculative-draft-min-confidence cuts kestrel's block drafts; a published DFlash or "
+                             "DSpark draft verifies its whole block.")
         local = DFlashDrafter(model, shard.page_table, args.speculative_num_draft_tokens, shard.hot_head)
     elif layout.last_stage:
-        local = BlockDrafter(model, shard.draft, args.speculative_num_draft_tokens, compile, shard.hot_head)
+        local = BlockDrafter(model, shard.draft, args.speculative_num_draft_tokens, compile, shard.hot_head,
+                             args.speculative_draft_min_confidence)
     if layout.pp_size == 1:
         return local
     return StagedDrafter(local, StageLink(layout, model.par.via_host), model.device)

@@ -1,5 +1,5 @@
 """Published DFlash and DSpark drafts for the Kimi family: a few dense layers that propose a block of tokens in one
-non-causal forward, their keys and values spanning the target's context as well as the block. Three layouts load:
+non-causal forward, their keys and values spanning the target's context as well as the block. These load:
 
 - NVIDIA NeMo AutoModel's `KimiK3DFlashDraftModel` (K3 targets): K3 MLA layers (NoPE, Q-LoRA, output gate) and a
   SiTU MLP, under the K3 checkpoint's names; config.json is the target's text config with num_hidden_layers the
@@ -57,8 +57,8 @@ from ..layers.cache import HybridCache
 from ..layers.linear import Linear
 from ..layers.moe import GatedMLP
 from ..layers.norm import RMSNorm
-from ..layers.rope import Rope, rope_from_config
 from ..layers.parallel import gather_vocab
+from ..layers.rope import Rope, rope_from_config
 from .kimi import DecoderLayer, KimiForCausalLM
 
 DSPARK = ("KimiK3DSparkModel", "Qwen3DSparkModel")
@@ -313,8 +313,8 @@ def draft_tokens(target: KimiForCausalLM, draft: DFlashDraftModel, outputs: torc
 
 def load_dflash_draft(folder: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> DFlashDraftModel:
-    """The DFlash draft in folder (either layout) for the target of config `target`, in eval mode, its weights in
-    dtype on device; a ValueError naming the problem if it is not one or does not fit the target."""
+    """The DFlash or DSpark draft in folder (any layout) for the target of config `target`, in eval mode, its weights
+    in dtype on device; a ValueError naming the problem if it is not one or does not fit the target."""
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
     architectures = raw.get("architectures") or []

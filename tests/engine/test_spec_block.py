@@ -44,6 +44,31 @@ def test_dflash_greedy_speculation_equals_plain_greedy():
                for g in fused for m in g.members)
 
 
+def test_a_confidence_cut_drafts_fewer_tokens_and_the_output_stays_plain():
+    """--speculative-draft-min-confidence: blocks of up to 6 drafts cut where the draft's confidence falls; greedy
+    output is plain greedy output, and fewer drafts are verified than without the cut."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(BUNDLED_MODEL), dtype="float32").generate(PROMPTS, params)]
+    drafted = []
+    for min_confidence in (0.0, 0.3):
+        spec = dflash(speculative_num_draft_tokens=6, speculative_draft_min_confidence=min_confidence)
+        assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == expected
+        stats = spec.engine.spec_stats
+        drafted.append(stats.draft_tokens / stats.verifications)
+    assert drafted[0] > drafted[1] + 1
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"speculative_draft_min_confidence": 1.0}, "speculative_draft_min_confidence must be in \\[0, 1\\)"),
+    ({"speculative_algorithm": "NEXTN", "speculative_draft_min_confidence": 0.2},
+     "set only with --speculative-algorithm DFLASH"),
+])
+def test_a_confidence_cut_is_checked(changes, message):
+    args = {"model": str(BUNDLED_MODEL), "speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(DRAFT)}
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**(args | changes))
+
+
 def plain_block_logits(engine, tokens: list[int]) -> torch.Tensor:
     """The draft's logits [block_size, vocab] at the last position whose next token is known (tokens[-2]), from
     the hidden state there of one plain forward over tokens[:-1] in a fresh cache."""
@@ -57,7 +82,7 @@ def plain_block_logits(engine, tokens: list[int]) -> torch.Tensor:
 
 def dflash(**kw) -> LLM:
     return LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
-               speculative_draft_model_path=str(DRAFT), speculative_num_draft_tokens=4, page_size=4, **kw)
+               speculative_draft_model_path=str(DRAFT), **{"speculative_num_draft_tokens": 4, "page_size": 4, **kw})
 
 
 def test_dflash_drafts_are_the_draft_over_the_whole_sequence():

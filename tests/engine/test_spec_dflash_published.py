@@ -235,11 +235,14 @@ def test_markov_heads_draft_as_nemos_do(tmp_path, kind):
     assert drafts != base                               # the bias changes drafts, so the check above can fail
 
 
-def test_a_dspark_draft_refuses_a_token_map(tmp_path):
+def test_a_dspark_draft_refuses_a_token_map_and_a_confidence_cut(tmp_path):
     write_draft(tmp_path, "dspark")
-    with pytest.raises(ValueError, match="this DSpark draft drafts through its own lm_head and Markov head"):
-        LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
-            speculative_draft_model_path=str(tmp_path), speculative_token_map=str(BUNDLED_MODEL / "token_map.pt"))
+    for changes, message in (({"speculative_token_map": str(BUNDLED_MODEL / "token_map.pt")},
+                              "this DSpark draft drafts through its own lm_head and Markov head"),
+                             ({"speculative_draft_min_confidence": 0.2}, "a published DFlash or DSpark draft")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(BUNDLED_MODEL), dtype="float32", speculative_algorithm="DFLASH",
+                speculative_draft_model_path=str(tmp_path), **changes)
 
 
 def test_dspark_is_sglangs_name_for_dflash_with_a_dspark_draft(tmp_path):

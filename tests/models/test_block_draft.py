@@ -52,11 +52,14 @@ def test_save_and_load_round_trip(tmp_path):
 
 @pytest.mark.parametrize("compile", [None, "aot_eager"])
 @pytest.mark.parametrize("mapped", [False, True])
-def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft, compile, mapped):
+@pytest.mark.parametrize("min_confidence", [0.0, 0.5])
+def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, draft, compile, mapped,
+                                                                     min_confidence):
     """Each input's drafts: the draft model run alone on its last hidden state and next token, argmax, the first
     `count` of the block; inputs that want none get none. Also compiled (aot_eager: the graph inductor compiles),
-    where 3 drafting rows are padded to a batch of 4; and with a token map (512 random ids), the argmax among its
-    tokens."""
+    where 3 drafting rows are padded to a batch of 4; with a token map (512 random ids), the argmax among its
+    tokens; and with min_confidence, only the drafts before the product of their softmax probabilities (among the
+    map's tokens with one) falls below it."""
     gen = torch.Generator().manual_seed(0)
     size = draft.config.block_size
     kept = [torch.randn(9, 192, generator=gen) * 2, torch.randn(6, 192, generator=gen) * 2]    # two forwards
@@ -69,17 +72,21 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
     outside = torch.full((vocab,), float("-inf") if mapped else 0.0)
     outside[ids] = 0
     drafter = BlockDrafter(target, draft, size, compile, HotHead(target.lm_head.weight, ids, vocab, SINGLE)
-                           if mapped else None)
+                           if mapped else None, min_confidence)
     drafts = drafter.draft(inputs, kept)
-    changed = False
+    changed, lengths = False, []
     for x, got in zip(inputs, drafts):
         last = kept[x.forward][x.first_row + len(x.next_ids) - 1]
         with torch.no_grad():
-            logits = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0]
-        assert got == (logits + outside).argmax(-1).tolist()[:x.count]
-        changed |= got != logits.argmax(-1).tolist()[:x.count]
-    assert changed == mapped
-    assert [len(d) for d in drafts] == [4, 0, size, 1]
+            logits = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0] + outside
+        probabilities = torch.softmax(logits.double(), -1).max(-1).values.cumprod(0).tolist()
+        confident = next((i for i, p in enumerate(probabilities) if p < min_confidence), size)
+        lengths.append(min(x.count, confident))
+        assert got == logits.argmax(-1).tolist()[:lengths[-1]]
+        changed |= got != (logits - outside).argmax(-1).tolist()[:lengths[-1]]
+    assert changed == mapped or min_confidence       # (the map changes only drafts the cut drops here)
+    assert lengths == [len(d) for d in drafts]
+    assert (lengths == [4, 0, size, 1]) == (min_confidence == 0)       # the cut shortens blocks, so it is checked
     few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: eagerly only 4 slots reach the lm_head
     assert drafter.draft(few, kept) == [drafts[0], drafts[3]]
     assert (drafter.compiled is not None) == bool(compile)            # it did not fall back to eager drafting

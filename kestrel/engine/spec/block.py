@@ -6,6 +6,11 @@ hidden state and next token), so a rejected draft or a rolled-back, preempted or
 behind to repair. Drafts are the draft model's argmax (deterministic; among a token map's tokens with one,
 spec.token_map), so verify.py's acceptance rule keeps the output distribution the target's.
 
+With min_confidence (--speculative-draft-min-confidence), a sequence's block stops before the first draft at which
+the product of the draft model's probabilities of its drafts so far falls below it: a verified token costs about a
+seventh of a decode step eagerly on the bundled model, so drafts likely to be rejected are not worth verifying.
+Where to stop depends on the draft model alone, so the output is unchanged.
+
 With a torch.compile backend (the CPU's `--enable-torch-compile`), the draft's forward runs compiled: one graph per
 batch size, padded up to a power of two with rows nobody reads, always drafting num_slots tokens per row (a
 sequence short of room keeps the first ones), so the graphs are few and made on first use.
@@ -29,28 +34,38 @@ log = logging.getLogger("kestrel")
 class BlockDrafter:
     """Drafts up to num_slots tokens per sequence (at most the draft's block size) with one batched forward of the
     draft model, eager or compiled by the torch.compile backend `compile`; with hot_head, among the token map's
-    tokens."""
+    tokens; with min_confidence, fewer (see the module docstring)."""
 
     def __init__(self, target: KimiForCausalLM, draft: BlockDraftModel, num_slots: int, compile: str | None = None,
-                 hot_head: HotHead | None = None):
+                 hot_head: HotHead | None = None, min_confidence: float = 0.0):
         if draft.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"the block draft has hidden size {draft.config.hidden_size} but the target model has "
                              f"{target.config.hidden_size}; pass a draft trained for this model.")
         self.target, self.draft_model, self.hot_head = target, draft, hot_head
         self.device = target.device
         self.num_slots = min(num_slots, draft.config.block_size)
+        self.min_confidence = min_confidence
         self.compiled = None
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-            self.compiled = torch.compile(self._argmax_tokens, backend=compile, dynamic=False, fullgraph=True,
+            self.compiled = torch.compile(self._draft_tokens, backend=compile, dynamic=False, fullgraph=True,
                                           options=compile_options(compile))
 
-    def _argmax_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int) -> torch.Tensor:
-        """hidden [N, D], next_ids [N] -> the draft's tokens [N, slots] int64."""
+    def _draft_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, D], next_ids [N] -> (the draft's tokens [N, slots] int64, how many of them to keep [N] int64:
+        all, or those before the product of their probabilities falls below min_confidence)."""
         if self.hot_head is None:
-            return block_logits(self.target, self.draft_model, hidden, next_ids, slots).argmax(-1)
-        return self.hot_head(self.target.model.norm(block_outputs(self.target, self.draft_model, hidden, next_ids,
-                                                                  slots)))
+            logits = block_logits(self.target, self.draft_model, hidden, next_ids, slots)
+            tokens = logits.argmax(-1)
+        else:
+            outputs = block_outputs(self.target, self.draft_model, hidden, next_ids, slots)
+            logits = self.hot_head.logits(self.target.model.norm(outputs))
+            tokens = self.hot_head.ids[logits.argmax(-1)]
+        if not self.min_confidence:
+            return tokens, torch.full_like(next_ids, slots)
+        confidence = logits.softmax(-1).amax(-1).cumprod(-1)
+        return tokens, (confidence >= self.min_confidence).sum(-1)
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput], kept: list[torch.Tensor]) -> list[list[int]]:
@@ -62,22 +77,25 @@ class BlockDrafter:
             return drafts
         hidden = torch.stack([inputs[i].hidden(kept)[-1] for i in active])
         next_ids = torch.tensor([inputs[i].next_ids[-1] for i in active], device=self.device)
-        tokens = self._compiled_tokens(hidden, next_ids) if self.compiled is not None else None
-        if tokens is None:
-            tokens = self._argmax_tokens(hidden, next_ids, min(max(inputs[i].count for i in active), self.num_slots))
-        for row, i in zip(tokens.tolist(), active):
-            drafts[i] = row[:inputs[i].count]
+        drafted = self._compiled_tokens(hidden, next_ids) if self.compiled is not None else None
+        if drafted is None:
+            drafted = self._draft_tokens(hidden, next_ids, min(max(inputs[i].count for i in active), self.num_slots))
+        tokens, keep = drafted
+        for row, kept_count, i in zip(tokens.tolist(), keep.tolist(), active):
+            drafts[i] = row[:min(inputs[i].count, kept_count)]
         return drafts
 
-    def _compiled_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor | None:
-        """The compiled draft's [N, num_slots] tokens, its batch padded to a power of two; None (and eager drafting
-        from then on) if compiling fails."""
+    def _compiled_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The compiled draft's _draft_tokens of num_slots tokens, its batch padded to a power of two; None (and
+        eager drafting from then on) if compiling fails."""
         n = hidden.shape[0]
         size = 1 << (n - 1).bit_length()
         hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
         next_ids = torch.cat([next_ids, next_ids.new_zeros(size - n)])
         try:
-            return self.compiled(hidden, next_ids, self.num_slots)[:n]
+            tokens, keep = self.compiled(hidden, next_ids, self.num_slots)
+            return tokens[:n], keep[:n]
         except Exception as e:      # inductor failed (no C++ compiler, an op it cannot trace): draft eagerly
             log.warning("DFLASH: torch.compile of the block draft failed, drafting eagerly from now on: %s", e)
             self.compiled = None

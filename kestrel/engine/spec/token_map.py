@@ -64,5 +64,8 @@ class HotHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] (after the head's norm) -> the draft token ids [...] int64."""
-        logits = self.par.all_gather(linear(x, self.weight).float(), self.sizes)
-        return self.ids[logits.argmax(-1)]
+        return self.ids[self.logits(x).argmax(-1)]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] (after the head's norm) -> the logits of the map's tokens [..., H] fp32, in `ids` order."""
+        return self.par.all_gather(linear(x, self.weight).float(), self.sizes)

@@ -92,6 +92,24 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
     assert (drafter.compiled is not None) == bool(compile)            # it did not fall back to eager drafting
 
 
+def test_compiled_drafters_with_and_without_a_token_map_share_no_graph(target, draft):
+    """Compiled graphs skip guards on modules: a drafter without a token map, compiled after one with a map (same
+    code, same shapes), must not run the mapped graph (it failed on the missing head and drafted eagerly)."""
+    gen = torch.Generator().manual_seed(2)
+    kept = [torch.randn(3, 192, generator=gen) * 2]
+    inputs = [DraftInput(slot=i, start=5, forward=0, first_row=i, capacity=64, count=4, next_ids=[100 + i])
+              for i in range(3)]
+    ids = torch.arange(0, target.config.vocab_size, 3)
+    drafts = {}
+    for mapped in (True, False):
+        head = HotHead(target.lm_head.weight, ids, target.config.vocab_size, SINGLE) if mapped else None
+        eager = BlockDrafter(target, draft, 4, None, head).draft(inputs, kept)
+        compiled = BlockDrafter(target, draft, 4, "aot_eager", head)
+        drafts[mapped] = compiled.draft(inputs, kept)
+        assert drafts[mapped] == eager and compiled.compiled is not None
+    assert drafts[True] != drafts[False]
+
+
 def test_a_draft_of_another_width_is_refused(target):
     with pytest.raises(ValueError, match="hidden size 32"):
         BlockDrafter(target, BlockDraftModel(BlockDraftConfig(hidden_size=32, num_heads=2)), 4)

@@ -45,6 +45,9 @@ class BlockDrafter:
         self.device = target.device
         self.num_slots = min(num_slots, draft.config.block_size)
         self.min_confidence = min_confidence
+        # Two functions, not one testing hot_head: compiled graphs skip guards on modules, so a graph traced with a
+        # token map's head would otherwise serve a drafter without one (and fail on None).
+        self._tokens = self._argmax if hot_head is None else self._hot_argmax
         self.compiled = None
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
@@ -55,17 +58,23 @@ class BlockDrafter:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, D], next_ids [N] -> (the draft's tokens [N, slots] int64, how many of them to keep [N] int64:
         all, or those before the product of their probabilities falls below min_confidence)."""
-        if self.hot_head is None:
-            logits = block_logits(self.target, self.draft_model, hidden, next_ids, slots)
-            tokens = logits.argmax(-1)
-        else:
-            outputs = block_outputs(self.target, self.draft_model, hidden, next_ids, slots)
-            logits = self.hot_head.logits(self.target.model.norm(outputs))
-            tokens = self.hot_head.ids[logits.argmax(-1)]
+        tokens, logits = self._tokens(hidden, next_ids, slots)
         if not self.min_confidence:
             return tokens, torch.full_like(next_ids, slots)
         confidence = logits.softmax(-1).amax(-1).cumprod(-1)
         return tokens, (confidence >= self.min_confidence).sum(-1)
+
+    def _argmax(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the draft's tokens [N, slots], its logits [N, slots, vocab])."""
+        logits = block_logits(self.target, self.draft_model, hidden, next_ids, slots)
+        return logits.argmax(-1), logits
+
+    def _hot_argmax(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the draft's tokens among the token map's [N, slots], its logits of the map's tokens [N, slots, H])."""
+        outputs = block_outputs(self.target, self.draft_model, hidden, next_ids, slots)
+        logits = self.hot_head.logits(self.target.model.norm(outputs))
+        return self.hot_head.ids[logits.argmax(-1)], logits
 
     @torch.inference_mode()
     def draft(self, inputs: list[DraftInput], kept: list[torch.Tensor]) -> list[list[int]]:

@@ -30,9 +30,9 @@ Where oneDNN runs, the weights it multiplies are held a second time for inferenc
 (`pack_onednn_weights`: an opaque copy, +4 bytes per weight of those matrices), which products of more than one row
 take: given a plain weight, oneDNN re-lays it on every call. On the AMD EPYC (2 threads, [4096, 1024] x 2 to 128
 rows) the packed weight multiplies 1.1-2.6x faster, the most at 2-16 rows (a batched decode, a verification's
-drafts; benchmarks/bench_linear.py, "linear"), and one packed for PACK_ROWS rows serves every row count as fast as one packed for it. A single row keeps
-the plain weight: streamed from memory, the packed one read 22% slower (the 437M K3's [32000, 1024] LM head, 5.5
-against 4.5 ms).
+drafts; benchmarks/bench_linear.py, "linear"), and one packed for PACK_ROWS rows serves every row count as fast as
+one packed for it. A single row keeps the plain weight: streamed from memory, the packed one read 22% slower (the
+437M K3's [32000, 1024] LM head, 5.5 against 4.5 ms).
 
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
 call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).

@@ -72,19 +72,26 @@ MLA_SHAPE = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank"
 def is_dflash_draft(folder: str | Path | None) -> bool:
     """Whether folder's config.json describes a published DFlash or DSpark draft (any layout: load_dflash_draft
     refuses the ones kestrel does not run)."""
-    path = Path(folder or "") / "config.json"
-    if not path.is_file():
-        return False
-    raw = json.loads(path.read_text())
-    return (bool(set(ARCHITECTURES) & set(raw.get("architectures") or [])) or "dflash_config" in raw
-            or is_dspark_draft(folder))
+    raw = _config(folder)
+    return raw is not None and (bool(set(ARCHITECTURES) & set(raw.get("architectures") or []))
+                                or "dflash_config" in raw or _dspark(raw))
 
 
 def is_dspark_draft(folder: str | Path | None) -> bool:
     """Whether folder's config.json describes a DSpark draft (any layout)."""
+    raw = _config(folder)
+    return raw is not None and _dspark(raw)
+
+
+def _config(folder: str | Path | None) -> dict | None:
+    """folder's config.json, None if it has none."""
     path = Path(folder or "") / "config.json"
-    return path.is_file() and any(str(a).endswith("DSparkModel")
-                                  for a in json.loads(path.read_text()).get("architectures") or [])
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _dspark(raw: dict) -> bool:
+    """Whether config.json `raw` names a DSpark architecture (NeMo's names end so)."""
+    return any(str(a).endswith("DSparkModel") for a in raw.get("architectures") or [])
 
 
 @dataclass(frozen=True)
@@ -318,11 +325,10 @@ def load_dflash_draft(folder: str | Path, target: ModelConfig, dtype: torch.dtyp
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
     architectures = raw.get("architectures") or []
-    others = [a for a in architectures if str(a).endswith("DSparkModel") and a not in DSPARK]
-    if others:
-        raise ValueError(f"the draft in {folder} is a {others[0]}; kestrel runs DSpark drafts of the layouts "
+    dspark = _dspark(raw)
+    if dspark and not set(DSPARK) & set(architectures):
+        raise ValueError(f"the draft in {folder} is a {architectures[0]}; kestrel runs DSpark drafts of the layouts "
                          f"{' and '.join(DSPARK)}.")
-    dspark = bool(set(DSPARK) & set(architectures))
     spec = _spec(raw, target, folder, dspark)
     num_layers = raw.get("num_hidden_layers")
     if not isinstance(num_layers, int) or num_layers < 1:

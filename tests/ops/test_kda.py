@@ -16,7 +16,7 @@ from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 from kestrel.ops import causal_conv1d
 from kestrel.ops.torch import kda as kda_ops
-from kestrel.ops.torch.kda import chunk_kda, recurrent_kda, recurrent_kda_uniform
+from kestrel.ops.torch.kda import chunk_kda, recurrent_kda, recurrent_kda_step, recurrent_kda_uniform
 from kestrel.ops.torch.kda_prefill import kda_prefill
 
 RELATIVE_TOLERANCE = 1e-4
@@ -278,6 +278,21 @@ def test_uniform_steps_equal_the_naive_recurrence_token_by_token(gate: str, leng
                   "cu_seqlens": torch.arange(4) * (t + 1), "initial_state": inputs["initial_state"]}
         _, states = naive_per_sequence(prefix)
         assert_close_to(token_states[:, t], states, f"states after token {t}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uniform_steps_are_decode_steps_bit_for_bit(dtype: torch.dtype) -> None:
+    """A verification's tokens get exactly what plain decoding computes: recurrent_kda_uniform's outputs and states
+    equal recurrent_kda_step's (a decode step's op) applied token after token, bit for bit, so a verification
+    commits the state decoding would have reached."""
+    inputs = make_inputs([5] * 3, GATES[1])
+    per_sequence = [inputs[name].unflatten(0, (3, 5)).to(dtype) for name in ("q", "k", "v", "g", "beta")]
+    o, token_states = recurrent_kda_uniform(*per_sequence, inputs["initial_state"])
+    state = inputs["initial_state"]
+    for t in range(5):
+        o_t, state = recurrent_kda_step(*(x[:, t] for x in per_sequence), state)
+        torch.testing.assert_close(o[:, t], o_t, rtol=0, atol=0)
+        torch.testing.assert_close(token_states[:, t], state, rtol=0, atol=0)
 
 
 def test_uniform_steps_return_outputs_in_vs_dtype() -> None:

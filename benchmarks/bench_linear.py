@@ -123,7 +123,9 @@ def main() -> None:
         "on CPUs that prefer oneDNN, weights of at least "
         f"{linear_module.ONEDNN_MIN_WEIGHT:,} elements take oneDNN (this machine: "
         f"{'oneDNN' if linear_module.ONEDNN else 'MKL'}), from a copy of the weight in oneDNN's own layout "
-        "(`pack_onednn_weights`, \"packed\") at more than one row. Milliseconds per call, medians of "
+        "(`pack_onednn_weights`, \"packed\") at more than one row, and weights of at least "
+        f"{linear_module.PACKED_MIN_WEIGHT:,} from the packed copy at {linear_module.PACKED_MIN_ROWS} rows or more. "
+        "Milliseconds per call, medians of "
         f"{ROUNDS} calls, the two alternating.",
         f"{machine().split(',')[0]}, torch {torch.__version__}, at "
         f"{' and '.join(map(str, THREADS))} torch threads (the table's first column); load average "

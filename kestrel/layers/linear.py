@@ -7,10 +7,10 @@ benchmarks/bench_llamacpp.py decodes 1.2-1.4x faster compiled at one sequence an
 (AVX-512 and AMX, 2 threads) it is the other way round: MKL streams the matvec at 24 GB/s against oneDNN's 20,
 and the same 437M K3 decodes compiled at 37 tok/s with MKL against 30 with oneDNN at one sequence, as fast at 32
 sequences (164 tok/s), and prefills 128 and 512 tokens as fast or faster. MKL is Intel's, tuned for Intel's CPUs,
-so the rule is the CPU's vendor: Intel keeps F.linear, every other CPU takes oneDNN. Small weights keep MKL
-everywhere: the op is opaque to torch.compile (a custom op, called back through Python from compiled code), which
-would cost more than it saves on matrices of a few hundred thousand elements (the bundled model's). Training (grad
-enabled), other dtypes and other devices take F.linear unchanged.
+so the rule is the CPU's vendor: Intel keeps F.linear, every other CPU takes oneDNN. Smaller weights keep MKL
+(but see PACKED_MIN_WEIGHT below): the op is opaque to torch.compile (a custom op, called back through Python from
+compiled code), which would cost more than it saves on matrices of a few hundred thousand elements (most of the
+bundled model's). Training (grad enabled), other dtypes and other devices take F.linear unchanged.
 
 Where MKL runs, products of 4 to 15 rows against large weights go by blocks (`blocked_linear`): MKL's sgemm streams
 the whole weight once per two or three of those rows (on the Intel Xeon, 2 threads: [3, 1024] x [1024, 32000] 3.0 ms,
@@ -33,6 +33,14 @@ rows) the packed weight multiplies 1.1-2.6x faster, the most at 2-16 rows (a bat
 drafts; benchmarks/bench_linear.py, "linear"), and one packed for PACK_ROWS rows serves every row count as fast as
 one packed for it. A single row keeps the plain weight: streamed from memory, the packed one read 22% slower (the
 437M K3's [32000, 1024] LM head, 5.5 against 4.5 ms).
+
+Weights of PACKED_MIN_WEIGHT elements up to ONEDNN_MIN_WEIGHT (the bundled model's LM head [4096, 192]) are packed
+too, and multiply PACKED_MIN_ROWS rows or more from the packed copy. Timed after the reads of a model step's other
+weights (1 thread, this AMD EPYC), MKL multiplied [4096, 192] by 4-32 rows in 0.35-0.80 ms against 0.22-0.59 packed,
+and [2048, 192] by 4-32 in 0.15-0.38 against 0.11-0.32, while at 1-3 rows MKL led (column-major, 0.11-0.26 against
+0.21-0.30 ms) and smaller weights lost (e.g. [820, 192], 0.5-0.8x). In the engine, in same-process A/Bs on the
+bundled model, the block draft's decoding (per step a 5-token verification and the draft's 4-token LM head) ran
+6-13% faster at 1 and 8 sequences, eagerly and compiled, and plain compiled decoding of 8 sequences 10%.
 
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
 call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).
@@ -62,6 +70,10 @@ COLUMN_MAJOR_MIN_OUT = 16
 PACK_ROWS = 32
 """The row count oneDNN lays packed weights out for (module docstring: any count from 4 to 128 serves 1 to 128 rows
 alike; one packed for 1 row is no faster than the plain weight at more)."""
+PACKED_MIN_WEIGHT = 1 << 19
+"""Where oneDNN runs, the weights packed for it: those of at least this many elements (2 MB in float32). Those below
+ONEDNN_MIN_WEIGHT, left to MKL otherwise, take oneDNN from their packed copy at PACKED_MIN_ROWS rows or more."""
+PACKED_MIN_ROWS = 4
 FUSE_MAX_WEIGHT = ONEDNN_MIN_WEIGHT
 """The most elements of a LinearGroup's fused weight. Fusing saves GEMM calls, which costs the bundled model's small
 products ~5-10 us each; products by larger weights are bound by reading them (the 437M K3's compiled batch-1 decode
@@ -119,16 +131,18 @@ def _large(weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out]; oneDNN where it is the faster GEMM (from `packed`,
-    weight's pack_onednn copy, when given and x has more than one row), by blocks where MKL would stream the weight
-    once per few rows (module docstring)."""
-    if (_large(weight) and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()):
+    weight's pack_onednn copy, when given and x has more than one row; below ONEDNN_MIN_WEIGHT, from `packed` at
+    PACKED_MIN_ROWS rows or more), by blocks where MKL would stream the weight once per few rows (module
+    docstring)."""
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
         rows = x.reshape(-1, x.shape[-1])
-        if ONEDNN:
+        if _large(weight) and ONEDNN:
             gemm_weight = weight if packed is None or rows.shape[0] == 1 else packed
             return onednn_linear(rows.contiguous(), gemm_weight, bias).view(*x.shape[:-1], weight.shape[0])
+        if packed is not None and rows.shape[0] >= PACKED_MIN_ROWS:
+            return onednn_linear(rows.contiguous(), packed, bias).view(*x.shape[:-1], weight.shape[0])
         first, last = BLOCKED_ROWS
-        if first <= rows.shape[0] <= last and weight.shape[0] % BLOCK == 0:
+        if _large(weight) and first <= rows.shape[0] <= last and weight.shape[0] % BLOCK == 0:
             return blocked_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -160,12 +174,14 @@ def hold_column_major(model: nn.Module) -> int:
 
 
 def pack_onednn_weights(model: nn.Module) -> int:
-    """Give every Linear of model whose products take oneDNN (`linear`'s rule: float32 CPU weights of at least
-    ONEDNN_MIN_WEIGHT elements, on CPUs that prefer oneDNN) its weight's pack_onednn copy; returns the bytes they add
-    (as many as the weights'). For inference: the copies do not follow later changes to the weights."""
+    """Give every Linear of model whose products may take oneDNN from a packed copy (`linear`'s rule: float32 CPU
+    weights of at least ONEDNN_MIN_WEIGHT or PACKED_MIN_WEIGHT elements, on CPUs that prefer oneDNN) its weight's
+    pack_onednn copy; returns the bytes they add (as many as the weights'). For inference: the copies do not follow
+    later changes to the weights."""
     if not ONEDNN:
         return 0
-    held = [m for m in model.modules() if isinstance(m, Linear) and _large(m.weight)
+    held = [m for m in model.modules() if isinstance(m, Linear)
+            and (_large(m.weight) or m.weight.numel() >= PACKED_MIN_WEIGHT)
             and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     for module in held:
         module.packed = pack_onednn(module.weight)

@@ -326,13 +326,16 @@ def test_pd_handoffs_carry_the_context_between_dflash_instances_only(draft_dir):
 
 def test_the_context_rows_and_weights_are_in_the_memory_plan(draft_dir):
     """Per draft layer and token: NeMo's, an MLA latent (kv_lora_rank + qk_rope_head_dim); SpecForge's, a key and a
-    value per KV head."""
+    value per KV head. The weights: the draft's, and the packed copies of those oneDNN multiplies (a DSpark draft's
+    own LM head, on CPUs that take oneDNN)."""
     plain = LLM(str(BUNDLED_MODEL), dtype="float32").engine
     engine = dflash(draft_dir).engine
     raw = json.loads((draft_dir / "config.json").read_text())
     width = (raw["kv_lora_rank"] + raw["qk_rope_head_dim"] if "kv_lora_rank" in raw
              else 2 * raw["num_key_value_heads"] * raw["head_dim"])
-    draft = sum(t.numel() * t.element_size() for t in engine.drafter.draft_model.state_dict().values())
+    model = engine.drafter.draft_model
+    draft = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    draft += sum(m.packed.numel() * 4 for m in model.modules() if getattr(m, "packed", None) is not None)  # oneDNN's
     assert engine.plan.weight_bytes == plain.plan.weight_bytes + draft
     assert engine.plan.kv_bytes_per_token == plain.plan.kv_bytes_per_token + 2 * width * 4
     assert len(engine.cache.mla) == len(plain.cache.mla) + 2

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import kestrel.layers.linear as linear_module
-from kestrel.layers.linear import (BLOCK, ONEDNN_MIN_WEIGHT, Linear, LinearGroup, fuse_linear_groups,
-                                   hold_column_major, linear, onednn_linear, pack_onednn, pack_onednn_weights,
-                                   prefers_onednn)
+from kestrel.layers.linear import (BLOCK, ONEDNN_MIN_WEIGHT, PACKED_MIN_ROWS, PACKED_MIN_WEIGHT, Linear, LinearGroup,
+                                   fuse_linear_groups, hold_column_major, linear, onednn_linear, pack_onednn,
+                                   pack_onednn_weights, prefers_onednn)
 from kestrel.layers.parallel import RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -155,9 +155,28 @@ def test_a_packed_weight_multiplies_as_the_plain_one(rows, monkeypatch):
     torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
+def test_a_mid_size_weight_takes_its_packed_copy_from_four_rows(rows, monkeypatch):
+    """A weight of PACKED_MIN_WEIGHT up to ONEDNN_MIN_WEIGHT elements (the bundled model's LM head [4096, 192], held
+    column-major as the engine holds it) is packed too, and multiplies PACKED_MIN_ROWS rows or more by oneDNN from
+    the packed copy, fewer by F.linear; equal to F.linear within float32 rounding."""
+    monkeypatch.setattr(linear_module, "ONEDNN", True)
+    module = Linear(192, 4096, bias=False)
+    assert PACKED_MIN_WEIGHT <= module.weight.numel() < ONEDNN_MIN_WEIGHT
+    expected_weight = module.weight.detach().clone()
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(13))
+    received, op = [], linear_module.onednn_linear
+    monkeypatch.setattr(linear_module, "onednn_linear", lambda x, w, b: received.append(w) or op(x, w, b))
+    with torch.inference_mode():
+        assert hold_column_major(module) == 1 and pack_onednn_weights(module) == 4096 * 192 * 4
+        actual = module(x)
+    assert [w is module.packed for w in received] == ([True] if rows >= PACKED_MIN_ROWS else [])
+    torch.testing.assert_close(actual, F.linear(x, expected_weight), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("onednn", [False, True])
 def test_pack_onednn_weights_packs_the_weights_onednn_multiplies(onednn, monkeypatch):
-    """Only float32 Linears (row-parallel ones too) of at least ONEDNN_MIN_WEIGHT elements get a packed copy, only on
+    """Only float32 Linears (row-parallel ones too) of at least PACKED_MIN_WEIGHT elements get a packed copy, only on
     CPUs that take oneDNN; the bytes they add are counted; every module's output stays F.linear's, eagerly and
     compiled by inductor (the packed copy a buffer the graph reads)."""
     monkeypatch.setattr(linear_module, "ONEDNN", onednn)

@@ -134,15 +134,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight's pack_onednn copy, when given and x has more than one row; below ONEDNN_MIN_WEIGHT, from `packed` at
     PACKED_MIN_ROWS rows or more), by blocks where MKL would stream the weight once per few rows (module
     docstring)."""
-    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
+    large = _large(weight)
+    if ((large or packed is not None) and x.device.type == "cpu"
+            and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()):
         rows = x.reshape(-1, x.shape[-1])
-        if _large(weight) and ONEDNN:
+        if large and ONEDNN:
             gemm_weight = weight if packed is None or rows.shape[0] == 1 else packed
             return onednn_linear(rows.contiguous(), gemm_weight, bias).view(*x.shape[:-1], weight.shape[0])
-        if packed is not None and rows.shape[0] >= PACKED_MIN_ROWS:
+        if packed is not None and rows.shape[0] >= PACKED_MIN_ROWS:         # a mid-size weight, on oneDNN's CPUs
             return onednn_linear(rows.contiguous(), packed, bias).view(*x.shape[:-1], weight.shape[0])
         first, last = BLOCKED_ROWS
-        if _large(weight) and first <= rows.shape[0] <= last and weight.shape[0] % BLOCK == 0:
+        if large and first <= rows.shape[0] <= last and weight.shape[0] % BLOCK == 0:
             return blocked_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

@@ -74,13 +74,13 @@ def is_dflash_draft(folder: str | Path | None) -> bool:
     refuses the ones kestrel does not run)."""
     raw = _config(folder)
     return raw is not None and (bool(set(ARCHITECTURES) & set(raw.get("architectures") or []))
-                                or "dflash_config" in raw or _dspark(raw))
+                                or "dflash_config" in raw or bool(_dspark_architectures(raw)))
 
 
 def is_dspark_draft(folder: str | Path | None) -> bool:
     """Whether folder's config.json describes a DSpark draft (any layout)."""
     raw = _config(folder)
-    return raw is not None and _dspark(raw)
+    return raw is not None and bool(_dspark_architectures(raw))
 
 
 def _config(folder: str | Path | None) -> dict | None:
@@ -89,9 +89,9 @@ def _config(folder: str | Path | None) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _dspark(raw: dict) -> bool:
-    """Whether config.json `raw` names a DSpark architecture (NeMo's names end so)."""
-    return any(str(a).endswith("DSparkModel") for a in raw.get("architectures") or [])
+def _dspark_architectures(raw: dict) -> list[str]:
+    """The DSpark architectures config.json `raw` names (NeMo's names end in DSparkModel)."""
+    return [str(a) for a in raw.get("architectures") or [] if str(a).endswith("DSparkModel")]
 
 
 @dataclass(frozen=True)
@@ -324,10 +324,10 @@ def load_dflash_draft(folder: str | Path, target: ModelConfig, dtype: torch.dtyp
     in dtype on device; a ValueError naming the problem if it is not one or does not fit the target."""
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text())
-    architectures = raw.get("architectures") or []
-    dspark = _dspark(raw)
-    if dspark and not set(DSPARK) & set(architectures):
-        raise ValueError(f"the draft in {folder} is a {architectures[0]}; kestrel runs DSpark drafts of the layouts "
+    named = _dspark_architectures(raw)
+    dspark = bool(named)
+    if dspark and not set(DSPARK) & set(named):
+        raise ValueError(f"the draft in {folder} is a {named[0]}; kestrel runs DSpark drafts of the layouts "
                          f"{' and '.join(DSPARK)}.")
     spec = _spec(raw, target, folder, dspark)
     num_layers = raw.get("num_hidden_layers")

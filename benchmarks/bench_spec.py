@@ -48,6 +48,7 @@ CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "specula
            "NEXTN k=1": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 1},
            "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},
            "DFLASH k=4": DFLASH, "DFLASH k=6, cut 0.1": CUT, "DFLASH k=4, token map": {**DFLASH, **TOKEN_MAP},
+           "DFLASH k=6, cut 0.1, token map": {**CUT, **TOKEN_MAP},
            "plain, packed experts": PACKED, "DFLASH k=4, packed experts": {**DFLASH, **PACKED},
            "plain, compiled": COMPILED, "DFLASH k=4, compiled": {**DFLASH, **COMPILED},
            "DFLASH k=6, cut 0.1, compiled": {**CUT, **COMPILED},

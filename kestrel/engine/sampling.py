@@ -384,11 +384,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
             work = work.clone()
         apply_token_bitmasks(work, constrained, [rows[i].token_bitmask for i in constrained])
     work = apply_penalties(work, rows)
-    token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-    if greedy:
-        index = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-        token_ids[index] = work[index].argmax(dim=-1)
+    token_ids = work.argmax(dim=-1)                 # the greedy rows' tokens (one op for every row, no scatter)
     randoms = [i for i, row in enumerate(rows) if not row.params.greedy]
     if randoms:
         index = torch.tensor(randoms, dtype=torch.int64, device=logits.device)

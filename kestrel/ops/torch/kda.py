@@ -170,8 +170,8 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     q_p, k_p, v_p, g_p, beta_p = (_scatter_rows(x.to(dtype), slot, num_seqs * max_len)
                                   .unflatten(0, (num_seqs, max_len)) for x in (q, k, v, g, beta))
     outputs, states = [], []
-    for q_t, k_t, v_t, g_t, beta_t in zip(*(x.unbind(1) for x in (q_p * scale, k_p, v_p, g_p, beta_p))):
-        state = _recurrent_step(state, k_t, v_t, g_t, beta_t)
+    for q_t, *terms in zip(*(x.unbind(1) for x in (q_p * scale, *_delta_terms(k_p, v_p, g_p, beta_p)))):
+        state = _delta_step(state, *terms)
         outputs.append(_read_state(q_t, state))
         states.append(state)
     o = _stack_steps(outputs, v_p)[slot].to(v.dtype)
@@ -186,7 +186,7 @@ def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     (float64 when an input is)."""
     dtype = _compute_dtype(q, k, v, g, beta, state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    state = _recurrent_step(state.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
+    state = _delta_step(state.to(dtype), *_delta_terms(k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype)))
     return _read_state(q.to(dtype) * scale, state).to(v.dtype), state
 
 
@@ -219,12 +219,6 @@ def _stack_steps(steps: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if not steps:
         return like.new_zeros(0, *like.shape[2:])
     return torch.stack(steps, 1).flatten(0, 1)
-
-
-def _recurrent_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-                    ) -> torch.Tensor:
-    """One token for every sequence: state [N, H, K, V]; k, g: [N, H, K]; v: [N, H, V]; beta: [N, H]."""
-    return _delta_step(state, *_delta_terms(k, v, g, beta))
 
 
 def _delta_terms(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor

@@ -129,7 +129,8 @@ def main() -> None:
     tokenizer = engines["plain"].engine.tokenizer
     ids = tokenizer.encode((BUNDLED_MODEL / "heldout_sample.txt").read_text(), add_special_tokens=False)
     rows = []
-    for workload, prompts in workloads(ids).items():
+    measured = workloads(ids)
+    for done, (workload, prompts) in enumerate(measured.items(), 1):
         for concurrency, names in sorted(CONCURRENCY.items()):
             results = measure(engines, names, prompts, concurrency)
             produced = OUTPUT_TOKENS * len(prompts)
@@ -140,8 +141,15 @@ def main() -> None:
                              f"{results[baseline(name)][0] / seconds:.2f}x",
                              f"{acceptance:.2f}" if "plain" not in name else "-", f"{same}/{len(prompts)}"])
                 print(rows[-1], flush=True)
+        write_section("spec", report(rows, list(measured)[done:], load_before))   # a stopped run keeps its rows
+
+
+def report(rows: list[list], pending: list[str], load_before: float) -> str:
+    """The section's text: the measured rows, and the workloads not measured yet (the run goes on, or stopped)."""
     load_after = os.getloadavg()[0]
-    body = "\n\n".join([
+    missing = (f" Not measured in this run (it stopped first, or is still running): {', '.join(pending)}."
+               if pending else "")
+    return "\n\n".join([
         "## Speculative decoding (CPU)",
         "The bundled model in float32, greedy, EOS ignored, 96 output tokens per request, 8 requests per workload "
         "served one at a time (concurrency 1), in groups of 2 or 4, or all at once (8; at 2 and 4 only the block "
@@ -158,19 +166,19 @@ def main() -> None:
         "than one sequence runs (compiled, speculation stops paying at 2). \"token map\": "
         "`--speculative-token-map models/k3.1-tiny/token_map.pt`, the block draft choosing among the 1,024 tokens "
         "the model writes most (FR-Spec; its lm_head product cut to those rows). \"cut 0.1\": blocks of up to 6 "
-        "drafts cut before the draft at which the product of the block draft's probabilities of its drafts falls "
-        "below 0.1 (`--speculative-draft-min-confidence 0.1`). Acceptance length: tokens emitted "
+        "drafts, all cut before the draft at which the product of the block draft's probabilities of a block's "
+        "drafts, averaged over the step's drafting sequences, falls below 0.1 "
+        "(`--speculative-draft-min-confidence 0.1`). Acceptance length: tokens emitted "
         "per verification step. Each configuration ran untimed until a pass compiled no new graph (at most "
         f"{WARMUP_PASSES} passes), then {ROUNDS} times, the configurations taking turns group by group; the table "
         "keeps the best time. "
-        "\"same tokens as plain\": against plain eager decoding.",
+        f"\"same tokens as plain\": against plain eager decoding.{missing}",
         f"{machine()}; load average {load_before:.1f} before, {load_after:.1f} after on {os.cpu_count()} cores "
         "shared with other work, so compare the ratios, not the absolute rates.",
         markdown_table(["workload", "concurrency", "drafts", "output tok/s", "vs plain", "acceptance length",
                         "same tokens as plain"], rows),
         f"Rerun: `{COMMAND}`",
     ])
-    write_section("spec", body)
 
 
 if __name__ == "__main__":

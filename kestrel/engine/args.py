@@ -76,8 +76,9 @@ class EngineArgs:
     speculative_num_draft_tokens: int = 4        # draft tokens verified per step
     speculative_disable_by_batch_size: int | None = None  # draft only while at most this many sequences run
                                                  # (vLLM's flag; above it speculation costs more than it saves)
-    speculative_draft_min_confidence: float = 0.0  # DFLASH (kestrel's block draft): a block stops before the draft
-                                                 # at which the product of the draft's probabilities falls below it
+    speculative_draft_min_confidence: float = 0.0  # DFLASH (kestrel's block draft): the blocks stop before the
+                                                 # draft at which the product of the draft's probabilities, averaged
+                                                 # over the step's drafting sequences, falls below it
     speculative_draft_model_path: str | None = None  # DFLASH: the draft's folder (kestrel block draft or NeMo's or
                                                  # SpecForge's DFlash draft); STANDALONE: the draft model's
     speculative_token_map: str | None = None     # NEXTN, DFLASH: a file of token ids the drafts are chosen among

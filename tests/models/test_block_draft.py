@@ -58,8 +58,8 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
     """Each input's drafts: the draft model run alone on its last hidden state and next token, argmax, the first
     `count` of the block; inputs that want none get none. Also compiled (aot_eager: the graph inductor compiles),
     where 3 drafting rows are padded to a batch of 4; with a token map (512 random ids), the argmax among its
-    tokens; and with min_confidence, only the drafts before the product of their softmax probabilities (among the
-    map's tokens with one) falls below it."""
+    tokens; and with min_confidence, every block only up to the first slot at which the product of the draft's
+    softmax probabilities (among the map's tokens with one), averaged over the drafting inputs, falls below it."""
     gen = torch.Generator().manual_seed(0)
     size = draft.config.block_size
     kept = [torch.randn(9, 192, generator=gen) * 2, torch.randn(6, 192, generator=gen) * 2]    # two forwards
@@ -71,24 +71,31 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
     ids = torch.randperm(vocab, generator=gen)[:512].sort().values
     outside = torch.full((vocab,), float("-inf") if mapped else 0.0)
     outside[ids] = 0
+
+    def expected(inputs: list[DraftInput]) -> tuple[list[list[int]], bool]:
+        """The rule above, computed on its own, and whether the token map changed a kept draft."""
+        logits = {}
+        for i, x in enumerate(inputs):
+            last = kept[x.forward][x.first_row + len(x.next_ids) - 1]
+            with torch.no_grad():
+                logits[i] = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0] + outside
+        drafting = [torch.softmax(logits[i].double(), -1).max(-1).values.cumprod(0)
+                    for i, x in enumerate(inputs) if x.count]
+        average = torch.stack(drafting).mean(0).tolist()
+        length = next((j for j, p in enumerate(average) if p < min_confidence), size)
+        drafts = [logits[i].argmax(-1).tolist()[:min(x.count, length)] for i, x in enumerate(inputs)]
+        changed = any(d != (logits[i] - outside).argmax(-1).tolist()[:len(d)] for i, d in enumerate(drafts))
+        return drafts, changed
+
     drafter = BlockDrafter(target, draft, size, compile, HotHead(target.lm_head.weight, ids, vocab, SINGLE)
                            if mapped else None, min_confidence)
     drafts = drafter.draft(inputs, kept)
-    changed, lengths = False, []
-    for x, got in zip(inputs, drafts):
-        last = kept[x.forward][x.first_row + len(x.next_ids) - 1]
-        with torch.no_grad():
-            logits = block_logits(target, draft, last[None], torch.tensor(x.next_ids[-1:]))[0] + outside
-        probabilities = torch.softmax(logits.double(), -1).max(-1).values.cumprod(0).tolist()
-        confident = next((i for i, p in enumerate(probabilities) if p < min_confidence), size)
-        lengths.append(min(x.count, confident))
-        assert got == logits.argmax(-1).tolist()[:lengths[-1]]
-        changed |= got != (logits - outside).argmax(-1).tolist()[:lengths[-1]]
+    want, changed = expected(inputs)
+    assert drafts == want
     assert changed == mapped or min_confidence       # (the map changes only drafts the cut drops here)
-    assert lengths == [len(d) for d in drafts]
-    assert (lengths == [4, 0, size, 1]) == (min_confidence == 0)       # the cut shortens blocks, so it is checked
+    assert ([len(d) for d in drafts] == [4, 0, size, 1]) == (min_confidence == 0)    # the cut shortens blocks
     few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: eagerly only 4 slots reach the lm_head
-    assert drafter.draft(few, kept) == [drafts[0], drafts[3]]
+    assert drafter.draft(few, kept) == expected(few)[0]
     assert (drafter.compiled is not None) == bool(compile)            # it did not fall back to eager drafting
 
 

@@ -6,10 +6,13 @@ hidden state and next token), so a rejected draft or a rolled-back, preempted or
 behind to repair. Drafts are the draft model's argmax (deterministic; among a token map's tokens with one,
 spec.token_map), so verify.py's acceptance rule keeps the output distribution the target's.
 
-With min_confidence (--speculative-draft-min-confidence), a sequence's block stops before the first draft at which
-the product of the draft model's probabilities of its drafts so far falls below it: a verified token costs about a
-seventh of a decode step eagerly on the bundled model, so drafts likely to be rejected are not worth verifying.
-Where to stop depends on the draft model alone, so the output is unchanged.
+With min_confidence (--speculative-draft-min-confidence), the blocks stop before the first draft at which the
+product of the draft model's probabilities of a block's drafts so far, averaged over the step's drafting sequences,
+falls below it: a verified token costs about a seventh of a decode step eagerly on the bundled model, so drafts
+likely to be rejected are not worth verifying. The product estimates the chance that a draft is accepted, so the
+average is the share of the step's verified tokens at that slot expected to be accepted; one length for every
+block keeps the verification uniform (its compiled graph and batched KDA path). Where to stop depends on the draft
+model alone, so the output is unchanged.
 
 With a torch.compile backend (the CPU's `--enable-torch-compile`), the draft's forward runs compiled: one graph per
 batch size, padded up to a power of two with rows nobody reads, always drafting num_slots tokens per row (a
@@ -55,14 +58,13 @@ class BlockDrafter:
                                           options=compile_options(compile))
 
     def _draft_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [N, D], next_ids [N] -> (the draft's tokens [N, slots] int64, how many of them to keep [N] int64:
-        all, or those before the product of their probabilities falls below min_confidence)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [N, D], next_ids [N] -> (the draft's tokens [N, slots] int64, with min_confidence the product of
+        the draft's probabilities of each row's drafts so far [N, slots] fp32, else None)."""
         tokens, logits = self._tokens(hidden, next_ids, slots)
         if not self.min_confidence:
-            return tokens, torch.full_like(next_ids, slots)
-        confidence = logits.softmax(-1).amax(-1).cumprod(-1)
-        return tokens, (confidence >= self.min_confidence).sum(-1)
+            return tokens, None
+        return tokens, logits.softmax(-1).amax(-1).cumprod(-1)
 
     def _argmax(self, hidden: torch.Tensor, next_ids: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the draft's tokens [N, slots], its logits [N, slots, vocab])."""
@@ -89,13 +91,14 @@ class BlockDrafter:
         drafted = self._compiled_tokens(hidden, next_ids) if self.compiled is not None else None
         if drafted is None:
             drafted = self._draft_tokens(hidden, next_ids, min(max(inputs[i].count for i in active), self.num_slots))
-        tokens, keep = drafted
-        for row, kept_count, i in zip(tokens.tolist(), keep.tolist(), active):
-            drafts[i] = row[:min(inputs[i].count, kept_count)]
+        tokens, confidence = drafted
+        length = tokens.shape[1] if confidence is None else int((confidence.mean(0) >= self.min_confidence).sum())
+        for row, i in zip(tokens.tolist(), active):
+            drafts[i] = row[:min(inputs[i].count, length)]
         return drafts
 
     def _compiled_tokens(self, hidden: torch.Tensor, next_ids: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The compiled draft's _draft_tokens of num_slots tokens, its batch padded to a power of two; None (and
         eager drafting from then on) if compiling fails."""
         n = hidden.shape[0]
@@ -103,8 +106,8 @@ class BlockDrafter:
         hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
         next_ids = torch.cat([next_ids, next_ids.new_zeros(size - n)])
         try:
-            tokens, keep = self.compiled(hidden, next_ids, self.num_slots)
-            return tokens[:n], keep[:n]
+            tokens, confidence = self.compiled(hidden, next_ids, self.num_slots)
+            return tokens[:n], None if confidence is None else confidence[:n]
         except Exception as e:      # inductor failed (no C++ compiler, an op it cannot trace): draft eagerly
             log.warning("DFLASH: torch.compile of the block draft failed, drafting eagerly from now on: %s", e)
             self.compiled = None

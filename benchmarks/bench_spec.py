@@ -14,7 +14,8 @@ with plain compiled decoding. "token map": --speculative-token-map with the bund
 (models/k3.1-tiny/token_map.pt, written by tools/token_map.py): the block draft chooses among its 1,024 tokens.
 "acceptance length" is the mean number of tokens a verification step emits (accepted drafts plus the target's own
 token); "same tokens" counts requests whose tokens equal plain (eager) decoding's.
-Writes the section "spec" of docs/benchmarks.md.
+Writes the section "spec" of docs/benchmarks.md after each workload (all of them take over an hour on 2 shared
+cores), naming the workloads not yet measured.
 
 Run: .venv/bin/python benchmarks/bench_spec.py
 """

@@ -79,8 +79,10 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)
     dense_experts = _hold_dense_experts(model, args, device)
-    hold_column_major(model)
-    fuse_linear_groups(model)
+    compiled = graphs and device.type == "cpu"     # compiled steps multiply single rows as reductions, which read
+    if not compiled:                               # weights faster row-major (linear.compiled_matvec)
+        hold_column_major(model)
+    fuse_linear_groups(model, column_major_ok=not compiled)
     packed = pack_onednn_weights(model)
     dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
@@ -94,8 +96,9 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     elif args.speculative_algorithm == "STANDALONE" and layout.rank == 0:    # it drafts in rank 0's process
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
     if draft is not None:
-        hold_column_major(draft)
-        fuse_linear_groups(draft)
+        if not compiled:
+            hold_column_major(draft)
+        fuse_linear_groups(draft, column_major_ok=not compiled)
         packed += pack_onednn_weights(draft)
         weights |= _bytes_by_address(draft.state_dict().values())
     hot_head = _hot_head(args, model, draft) if layout.last_stage else None

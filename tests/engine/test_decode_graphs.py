@@ -18,6 +18,7 @@ from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.decode_graphs import DecodeGraphs, batch_sizes
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
+from kestrel.layers.linear import Linear, column_major_pays
 from kestrel.layers.mla import AUTO, PLAIN, GatedMLA
 from kestrel.ops import backend
 
@@ -327,10 +328,16 @@ def test_cuda_graph_and_torch_compile_flags():
 def test_the_engine_compiles_cpu_decode_steps_when_asked(model_dir):
     """--enable-torch-compile on the CPU: decode steps of up to --torch-compile-max-bs sequences go through a
     torch.compile'd step (compiled on first use: tests/engine/test_compiled_decode.py runs it), with the scratch slot
-    and page that padding needs, and prefills compile their KDA chunk terms; off by default."""
-    runner = LLM(str(model_dir), page_size=4).engine.runner
-    assert runner.decode_graphs is None and runner.prefill_compile is None
+    and page that padding needs, and prefills compile their KDA chunk terms; off by default. The compiled engine
+    keeps its weights row-major (single rows multiply as reductions), the eager one holds column-major those that
+    column_major_pays names."""
+    eager = LLM(str(model_dir), page_size=4).engine
+    assert eager.runner.decode_graphs is None and eager.runner.prefill_compile is None
     engine = LLM(str(model_dir), page_size=4, enable_torch_compile=True, torch_compile_max_bs=8).engine
+    for e, column_major in ((eager, True), (engine, False)):
+        held = [m.weight.stride(0) == 1 for m in e.model.modules()
+                if isinstance(m, Linear) and column_major_pays(m.weight)]
+        assert held and all(h == column_major for h in held)
     assert engine.runner.prefill_compile == "inductor"
     graphs, pools = engine.runner.decode_graphs, engine.scheduler
     assert graphs.sizes == [1, 2, 4, 8] and graphs.forward is not graphs._forward and not graphs.capture

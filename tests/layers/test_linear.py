@@ -59,6 +59,31 @@ def test_the_custom_op_traces_into_a_compiled_graph(monkeypatch):
     torch.library.opcheck(onednn_linear, (x, weight, None), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("shape, bias", [((1, 1024, 1024), True), ((1, 1, 96, 64), False), ((2, 96, 64), False)])
+def test_one_row_compiles_to_a_reduction_in_the_graph(shape, bias, onednn, monkeypatch):
+    """Traced by torch.compile, a single row (any weight size, either CPU rule) is compiled_matvec's products and
+    sum, with no GEMM call in the graph; two rows keep the GEMM. Compiled by inductor, the result is F.linear's."""
+    monkeypatch.setattr(linear_module, "ONEDNN", onednn)
+    *rows, out_features, in_features = shape
+    weight, x = weights(out_features, in_features), torch.randn(*rows, in_features, generator=torch.Generator().manual_seed(4))
+    b = torch.randn(out_features, generator=torch.Generator().manual_seed(5)) if bias else None
+    graphs = []
+
+    def capture(gm: torch.fx.GraphModule, inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return gm.forward
+
+    with torch.inference_mode():
+        expected = F.linear(x, weight, b)
+        torch.testing.assert_close(torch.compile(lambda x: linear(x, weight, b), backend=capture, fullgraph=True,
+                                                 dynamic=False)(x), expected, atol=1e-5, rtol=1e-5)
+        gemms = {target for target in graphs[0] if "linear" in target}
+        assert bool(gemms) == (x.numel() > in_features), graphs[0]
+        compiled = torch.compile(lambda x: linear(x, weight, b), fullgraph=True, dynamic=False)(x)
+        torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows, out_features, onednn, blocked", [
     ((4,), 2 * BLOCK, False, True), ((3, 5), 2 * BLOCK, False, True),     # 4 and 15 rows: by blocks
     ((3,), 2 * BLOCK, False, False), ((16,), 2 * BLOCK, False, False),    # MKL's own passes are fine there

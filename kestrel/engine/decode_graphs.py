@@ -25,8 +25,9 @@ a CUDA graph (its outputs would need static buffers of every token's recurrent s
 as ordinary steps.
 
 On the CPU the static step can instead be compiled (`--enable-torch-compile`): torch.compile traces each
-(batch size, width) step into one graph, and inductor's C++ backend fuses its elementwise work into loops, so a
-step is one call instead of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed
+(batch size, width) step into one graph, and inductor's C++ backend fuses its elementwise work into loops (a
+batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec), so a step is one call instead
+of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed
 experts run per pair in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling happens the
 first time a pair is needed (tens of seconds on two cores); inductor caches the compiled code on disk
 (TORCHINDUCTOR_CACHE_DIR, /tmp/torchinductor_$USER by default), so a restarted server recompiles in seconds. A

@@ -134,8 +134,8 @@ def main() -> None:
         markdown_table(["threads", "weight", "rows", "kestrel's path", "F.linear ms", "kestrel ms", "speedup",
                         "kestrel, packed ms", "packed speedup", "max |diff|"], table),
         "### Column-major weights",
-        "For eager inference kestrel holds the float32 weights that `linear` leaves to F.linear column-major (same shape "
-        "and values, transposed storage; `hold_column_major`) where they have at most "
+        "For eager inference kestrel holds the float32 weights that `linear` leaves to F.linear column-major (same "
+        "shape and values, transposed storage; `hold_column_major`) where they have at most "
         f"{linear_module.COLUMN_MAJOR_MAX_IN} input features and at least {linear_module.COLUMN_MAJOR_MIN_OUT} "
         "outputs (\"held\"). F.linear against the weight held row-major (as stored) and column-major, the bundled "
         "model's shapes and ones either side of the rule; microseconds per call, medians of "

@@ -67,6 +67,16 @@ class RankShard:
     hot_head: HotHead | None = None   # a model drafter's LM head cut to --speculative-token-map (in the plan)
 
 
+def _lay_out_linears(model: nn.Module, compiled: bool) -> int:
+    """Lay out model's linear weights for inference: column-major where MKL multiplies them faster (not when its
+    decode steps are compiled, whose single rows multiply as reductions that read weights faster row-major:
+    linear.compiled_matvec), fused by LinearGroup, packed for oneDNN; returns the bytes the packed copies add."""
+    if not compiled:
+        hold_column_major(model)
+    fuse_linear_groups(model, column_major_ok=not compiled)
+    return pack_onednn_weights(model)
+
+
 def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
                graphs: bool = False) -> RankShard:
     """Load this rank's model shard, plan its pools and allocate them (all ranks call this together). With graphs
@@ -79,11 +89,8 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)
     dense_experts = _hold_dense_experts(model, args, device)
-    compiled = graphs and device.type == "cpu"     # compiled steps multiply single rows as reductions, which read
-    if not compiled:                               # weights faster row-major (linear.compiled_matvec)
-        hold_column_major(model)
-    fuse_linear_groups(model, column_major_ok=not compiled)
-    packed = pack_onednn_weights(model)
+    compiled = graphs and device.type == "cpu"
+    packed = _lay_out_linears(model, compiled)
     dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
@@ -96,10 +103,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     elif args.speculative_algorithm == "STANDALONE" and layout.rank == 0:    # it drafts in rank 0's process
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
     if draft is not None:
-        if not compiled:
-            hold_column_major(draft)
-        fuse_linear_groups(draft, column_major_ok=not compiled)
-        packed += pack_onednn_weights(draft)
+        packed += _lay_out_linears(draft, compiled)
         weights |= _bytes_by_address(draft.state_dict().values())
     hot_head = _hot_head(args, model, draft) if layout.last_stage else None
     if hot_head is not None:

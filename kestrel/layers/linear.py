@@ -151,12 +151,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight's pack_onednn copy, when given and x has more than one row; below ONEDNN_MIN_WEIGHT, from `packed` at
     PACKED_MIN_ROWS rows or more), by blocks where MKL would stream the weight once per few rows (module
     docstring). Traced by torch.compile, a single row is a reduction in the graph (`compiled_matvec`)."""
-    if (torch.compiler.is_compiling() and x.numel() == x.shape[-1] and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()):
+    if x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32 or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
         return compiled_matvec(x, weight, bias)
     large = _large(weight)
-    if ((large or packed is not None) and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()):
+    if large or packed is not None:
         rows = x.reshape(-1, x.shape[-1])
         if large and ONEDNN:
             gemm_weight = weight if packed is None or rows.shape[0] == 1 else packed

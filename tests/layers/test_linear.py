@@ -66,7 +66,8 @@ def test_one_row_compiles_to_a_reduction_in_the_graph(shape, bias, onednn, monke
     sum, with no GEMM call in the graph; two rows keep the GEMM. Compiled by inductor, the result is F.linear's."""
     monkeypatch.setattr(linear_module, "ONEDNN", onednn)
     *rows, out_features, in_features = shape
-    weight, x = weights(out_features, in_features), torch.randn(*rows, in_features, generator=torch.Generator().manual_seed(4))
+    weight = weights(out_features, in_features)
+    x = torch.randn(*rows, in_features, generator=torch.Generator().manual_seed(4))
     b = torch.randn(out_features, generator=torch.Generator().manual_seed(5)) if bias else None
     graphs = []
 

@@ -92,7 +92,7 @@ def test_drafts_are_the_draft_models_argmax_on_the_same_conditioning(target, dra
     drafts = drafter.draft(inputs, kept)
     want, changed = expected(inputs)
     assert drafts == want
-    assert changed == mapped or min_confidence       # (the map changes only drafts the cut drops here)
+    assert changed == (mapped and not min_confidence)     # (the map changes only drafts the cut drops here)
     assert ([len(d) for d in drafts] == [4, 0, size, 1]) == (min_confidence == 0)    # the cut shortens blocks
     few = [inputs[0], inputs[3]]                   # at most 4 drafts wanted: eagerly only 4 slots reach the lm_head
     assert drafter.draft(few, kept) == expected(few)[0]

@@ -39,8 +39,9 @@ What runs:
    (KESTREL): eager and compiled (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's
    default: 0.53 bytes per expert weight, expanded as they are read), compiled with a float32 copy of the experts
    (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like
-   one), and compiled with a bfloat16 copy (`moe_dense_experts="bfloat16"`: the same values in 2 bytes, multiplied
-   in float32). Compiling happens in
+   one; held a second time in oneDNN's packed layout, `moe_onednn_experts`, where the experts are large enough for
+   that to pay: the 437M model's), and compiled with a bfloat16 copy (`moe_dense_experts="bfloat16"`: the same
+   values in 2 bytes, multiplied in float32). Compiling happens in
    the untimed first runs; their extra time is reported, with any step that failed to compile. Prefills are not
    compiled: the compiled configurations differ there only by the experts.
 5. Writes the section "llamacpp" of docs/benchmarks.md: versions, the logits agreement, a table per model, and
@@ -87,6 +88,7 @@ from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.config import parse_config  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 from kestrel.layers.batch import ForwardBatch  # noqa: E402
+from kestrel.layers.moe import EXPERT_PACKED_MIN_WEIGHT  # noqa: E402
 from kestrel.models.checkpoint import build_model, checkpoint_files, save_model  # noqa: E402
 from kestrel.models.init import init_weights  # noqa: E402
 from kestrel.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
@@ -115,12 +117,18 @@ F32 = 0
 LLAMA_WORKER = "from benchmarks.bench_llamacpp import llama_worker; llama_worker()"
 KESTREL = {"kestrel eager": {},
            "kestrel compiled": {"enable_torch_compile": True},
-           "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32"},
+           "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32",
+                                              "moe_onednn_experts": True},
            "kestrel compiled, bf16 experts": {"enable_torch_compile": True, "moe_dense_experts": "bfloat16"}}
 """kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled;
-compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads; and compiled from a bfloat16
-copy, which holds the same values (bfloat16 holds every MXFP4 value) in half the bytes and multiplies them in
-float32 all the same (converted as they are read)."""
+compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads, held a second time in
+oneDNN's packed layout where the experts are large enough for it to pay (moe_onednn_experts: the 437M model's; the
+bundled-size model's are not, and run without); and compiled from a bfloat16 copy, which holds the same values
+(bfloat16 holds every MXFP4 value) in half the bytes and multiplies them in float32 all the same (converted as they
+are read)."""
+MEM_FRACTION = 0.3
+"""kestrel's mem_fraction_static: room for the 437M model's float32 expert copy and its oneDNN copy (3.3 GiB of
+weights in all; the CPU's default 0.1 of this machine's RAM is 2.4 GiB)."""
 
 
 @dataclass(frozen=True)
@@ -324,8 +332,11 @@ class KestrelTimer:
     """kestrel's engine on one model folder, stepped here: decode and prefill tok/s."""
 
     def __init__(self, folder: Path, args: dict):
+        config = parse_config(json.loads((folder / "config.json").read_text()))
+        if config.expert_dim * config.moe_intermediate_size < EXPERT_PACKED_MIN_WEIGHT:
+            args = {key: value for key, value in args.items() if key != "moe_onednn_experts"}
         self.llm = LLM(str(folder), dtype="float32", max_running_requests=max(BATCHES), disable_radix_cache=True,
-                       **args)
+                       mem_fraction_static=MEM_FRACTION, **args)
         self.ids = itertools.count()
         self.generator = torch.Generator().manual_seed(1)
         self.walls: dict[Point, list[float]] = {}    # wall seconds of each run, the first (warm-up) included
@@ -531,7 +542,9 @@ def main() -> None:
         "of two prompts in a row for both engines. "
         "llama.cpp: llama-batched-bench; kestrel: its engine (LLMEngine.add_request/step), eager and compiled "
         "(enable_torch_compile) with its packed MXFP4 experts, and compiled with a float32 copy of the experts "
-        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration), and compiled "
+        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration; on the 437M model "
+        "held a second time in oneDNN's packed layout, moe_onednn_experts, whose experts' products it speeds up), "
+        "and compiled "
         "with a bfloat16 copy (moe_dense_experts=bfloat16: the same values in half the bytes, multiplied in "
         "float32). Every "
         "configuration runs each point once untimed first; then rounds in which the engines alternate point by "

@@ -52,6 +52,7 @@ class EngineArgs:
     norm_backend: str = "auto"                   # AttnRes mix + RMSNorm
     moe_mxfp8_activations: bool = False          # round routed-expert GEMM inputs to MXFP8 (W4A8, as K3's QAT)
     moe_dense_experts: str = "none"              # CPU: keep a dense copy of MXFP4 experts (none, bfloat16, float32)
+    moe_onednn_experts: bool = False             # CPU: oneDNN-packed copies of float32 experts (+4 B per weight)
     disable_radix_cache: bool = False            # prefix caching off: every prompt computed from its first token
     mamba_scheduler_strategy: str = "no_buffer"  # prefix cache: where KDA state snapshots are taken (see radix.py)
     mamba_track_interval: int = 256              # extra_buffer: a snapshot every this many decode tokens

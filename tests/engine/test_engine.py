@@ -318,3 +318,26 @@ def test_moe_dense_experts_compute_from_an_exact_copy_counted_in_the_plan(model_
     assert dense.engine.plan.weight_bytes - packed.engine.plan.weight_bytes == copy_bytes
     with pytest.raises(ValueError, match="--moe-dense-experts is for MXFP4 experts on the CPU"):
         LLM(str(kimi_linear_dir), moe_dense_experts="bfloat16")
+
+
+def test_moe_onednn_experts_decode_the_same_tokens_counted_in_the_plan(model_dir, monkeypatch):
+    """--moe-onednn-experts with a float32 copy of the MXFP4 experts: every expert layer holds oneDNN copies of its
+    weights (here of any size: this model's are under EXPERT_PACKED_MIN_WEIGHT), planned as weights (4 bytes per
+    routed weight), and the engine decodes the plain copy's tokens, batched. Experts that would get no copy (these,
+    at the real threshold; MXFP4 ones without a float32 copy) refuse the flag at once."""
+    import kestrel.layers.moe as moe_layers
+    refusal = "--moe-onednn-experts packs float32 routed experts"
+    with pytest.raises(ValueError, match=refusal):
+        LLM(str(model_dir), dtype="float32", moe_dense_experts="float32", moe_onednn_experts=True)
+    monkeypatch.setattr(moe_layers, "EXPERT_PACKED_MIN_WEIGHT", 1)
+    with pytest.raises(ValueError, match=refusal):
+        LLM(str(model_dir), dtype="float32", moe_onednn_experts=True)
+    plain = LLM(str(model_dir), page_size=4, dtype="float32", moe_dense_experts="float32")
+    packed = LLM(str(model_dir), page_size=4, dtype="float32", moe_dense_experts="float32", moe_onednn_experts=True)
+    experts = [m for m in packed.engine.model.modules() if isinstance(m, RoutedExperts)]
+    assert experts and all(m.onednn is not None for m in experts)
+    config = packed.engine.config
+    copy_bytes = 4 * len(experts) * config.num_experts * 3 * config.moe_intermediate_size * config.expert_dim
+    assert packed.engine.plan.weight_bytes - plain.engine.plan.weight_bytes == copy_bytes
+    prompts = ids_of(random_prompts(4, seed=6))
+    assert tokens(packed.generate(prompts, greedy(6))) == tokens(plain.generate(prompts, greedy(6)))

@@ -13,7 +13,8 @@ import torch
 from helpers import greedy_generate, tiny_model
 from kestrel.config import parse_config
 from kestrel.layers.batch import ForwardBatch
-from kestrel.layers.moe import MoE, Router, hold_dense_experts
+import kestrel.layers.moe as moe_layers
+from kestrel.layers.moe import MoE, Router, hold_dense_experts, pack_onednn_experts
 from kestrel.models.presets import tiny_config
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
 
@@ -153,6 +154,39 @@ def test_held_dense_copies_compute_what_the_packed_experts_do() -> None:
         packed.experts.hold_dense_copy(None)
         assert packed.experts.weights().mxfp4
     assert set(packed.state_dict()) == keys
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["dense", "held-copy"])
+def test_onednn_copies_compute_what_the_plain_experts_do(held: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_onednn_experts gives dense float32 experts (or a held float32 copy) oneDNN-packed copies of their
+    weights, which the op then multiplies by: with the plain weights zeroed after packing, the MoE's outputs at 1 to
+    30 tokens still equal the plain experts' to float32 rounding, while a wanted gradient reads the plain weights.
+    The copies take the weights' bytes; experts under EXPERT_PACKED_MIN_WEIGHT, bfloat16 ones and packed MXFP4
+    ones get none, and dropping a held copy drops them."""
+    packed, dense = packed_and_dense_moe()
+    moe = packed if held else dense
+    assert pack_onednn_experts(moe) == 0                                 # this model's experts are small
+    monkeypatch.setattr(moe_layers, "EXPERT_PACKED_MIN_WEIGHT", 1)
+    assert pack_onednn_experts(packed) == 0                              # MXFP4, no dense copy
+    if held:
+        packed.experts.hold_dense_copy(torch.bfloat16)
+        assert pack_onednn_experts(packed) == 0
+        packed.experts.hold_dense_copy(torch.float32)
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = [moe(x[:n]) for n in (1, 5, 30)]
+        plain = moe.experts.weights()
+        assert pack_onednn_experts(moe) == 4 * (plain.w1.numel() + plain.w3.numel() + plain.w2.numel())
+        assert moe.experts.weights().onednn_w13 is not None
+        for weight in (plain.w1, plain.w3, plain.w2):
+            weight.zero_()
+        for n, want in zip((1, 5, 30), expected):
+            torch.testing.assert_close(moe(x[:n]), want, rtol=1e-5, atol=1e-5)
+    with torch.enable_grad():
+        assert not torch.allclose(moe(x.clone().requires_grad_()), expected[2], rtol=1e-3, atol=1e-3)
+    if held:
+        packed.experts.hold_dense_copy(None)
+        assert packed.experts.onednn is None and packed.experts.weights().mxfp4
 
 
 def test_dense_experts_refuse_a_dense_copy() -> None:

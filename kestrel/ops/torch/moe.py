@@ -4,9 +4,17 @@ The reference for the Triton grouped GEMM, and the CPU path itself. Token-expert
 expert's tokens form one contiguous slice of rows, multiplied against that expert's weights in place: the stacked
 dense weights in one grouped GEMM when they are in the activation dtype (no copy; in bf16 and fp16 few rows per
 expert are padded into one batched GEMM, `PADDED_ROWS`, where the idle experts it also reads are cheap,
-`EXPERT_VISIT_BYTES`), or each expert's MXFP4 tile expanded for this call (only the experts in use, one tile at a
-time). The gated activation runs once over all pairs, and the weighted rows are added back to their tokens with
-index_add. No weight matrix is copied per token.
+`EXPERT_VISIT_BYTES`), by oneDNN from each expert's packed copy of its float32 weights where the layer holds one
+(`ExpertWeights.onednn_w13`), or each expert's MXFP4 tile expanded for this call (only the experts in use, one tile
+at a time). The gated activation runs once over all pairs, and the weighted rows are added back to their tokens
+with index_add. No weight matrix is copied per token.
+
+oneDNN's packed copies (`--moe-onednn-experts`, kestrel.layers.moe.pack_onednn_experts: +4 bytes per weight)
+multiply an expert's few rows 1.6-2.9x faster than torch._grouped_mm, which calls MKL's sgemm once per expert:
+measured on an AMD EPYC (2 threads, 64 experts, all in use, random weights), [512, 256] experts took 2.6-3.6 ms
+against 5.2-8.3 at 2-16 rows per expert, [1024, 512] ones 5.8-9.4 against 16.6-22.9; at one row 0.6-0.7x the
+time. In the 437M K3 of benchmarks/bench_llamacpp.py (float32 expert copy), a prefill of 128 tokens ran 1.21x
+faster (402 against 333 tok/s, medians of 7, alternating in one process) and one of 512 tokens 1.11x.
 
 MXFP4 on the CPU: three compute formats, measured by benchmarks/bench_moe_cpu.py (docs/benchmarks.md, "moe-cpu") on
 a 437M-parameter K3 (64 experts top-4, 11 MoE layers, 277M routed weights) in float32, one thread; time per step
@@ -89,6 +97,8 @@ class ExpertWeights:
     two halves (a held dense copy stores them so: one GEMM then computes the gate and up projections). MXFP4: w1,
     w3 [E, I, D/2] and w2 [E, D, I/2] packed uint8 (two E2M1 codes per byte along the input dim,
     kestrel.quant.mxfp4's layout) with E8M0 scales w1_scale, w3_scale [E, I, D/32] and w2_scale [E, D, I/32] uint8.
+    Dense float32 experts may also come as each expert's [2I, D] (w1 then w3) and [D, I] in oneDNN's packed layout
+    (onednn_w13, onednn_w2: E opaque mkldnn tensors each), which float32 products take in their place.
     """
 
     w1: torch.Tensor
@@ -98,6 +108,8 @@ class ExpertWeights:
     w3_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     w13: torch.Tensor | None = None
+    onednn_w13: tuple[torch.Tensor, ...] | None = None
+    onednn_w2: tuple[torch.Tensor, ...] | None = None
 
     @property
     def mxfp4(self) -> bool:
@@ -162,7 +174,7 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     tokens = order // ids.shape[1]                           # each sorted pair's token
     counts = torch.bincount(pairs, minlength=experts.num_experts).tolist()
     x = quantize(z.index_select(0, tokens))                  # [P, D]: each expert's rows one contiguous slice
-    if experts.w13 is not None:
+    if experts.w13 is not None or _onednn_copies(experts, "w13", x) is not None:
         gate, up = _per_expert(x, counts, experts, "w13").chunk(2, dim=-1)
     else:
         gate, up = (_per_expert(x, counts, experts, name) for name in ("w1", "w3"))
@@ -175,14 +187,21 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
     """x [P, in], rows grouped by expert in expert order, counts[e] of expert e -> [P, out]: each group times its
     expert's weight `name` (w1, w3, w13 or w2; transposed), in x's dtype.
 
-    Dense weights already in x's dtype go to one grouped GEMM over all experts in place (torch._grouped_mm; an
-    expert without rows is an empty group; with at most PADDED_ROWS rows per expert and idle experts worth at most
-    EXPERT_VISIT_BYTES per expert in use, one padded torch.bmm) when more than a quarter of the experts are in use,
-    unless a gradient is wanted (no CPU backward); otherwise each expert in use is multiplied in turn (a packed one
-    expanded for its product only). On the CPU the grouped GEMM visits every expert, empty ones too: measured at one
-    thread on 32 experts [96, 96], 33-36 us with 1 to 4 in use against 9-22 us for a product each, even at 8."""
-    weight = getattr(experts, name)
+    Where the experts hold oneDNN-packed copies of the weight, each expert in use multiplies its group by its copy
+    (module docstring). Otherwise dense weights already in x's dtype go to one grouped GEMM over all experts in
+    place (torch._grouped_mm; an expert without rows is an empty group; with at most PADDED_ROWS rows per expert and
+    idle experts worth at most EXPERT_VISIT_BYTES per expert in use, one padded torch.bmm) when more than a quarter
+    of the experts are in use, unless a gradient is wanted (no CPU backward); otherwise each expert in use is
+    multiplied in turn (a packed one expanded for its product only). On the CPU the grouped GEMM visits every
+    expert, empty ones too: measured at one thread on 32 experts [96, 96], 33-36 us with 1 to 4 in use against 9-22
+    us for a product each, even at 8."""
     groups = [(e, n) for e, n in enumerate(counts) if n]     # the experts in use and their number of pairs
+    copies = _onednn_copies(experts, name, x)
+    if copies is not None:
+        parts = x.split([rows for _, rows in groups])
+        return torch.cat([torch.ops.mkldnn._linear_pointwise(part, copies[e], None, "none", [], "")
+                          for (e, _), part in zip(groups, parts)])
+    weight = getattr(experts, name)
     if (not experts.mxfp4 and weight.dtype == x.dtype and 4 * len(groups) > len(counts)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         idle_bytes = (len(counts) - len(groups)) * weight[0].numel() * weight.element_size()
@@ -192,6 +211,15 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
     parts = x.split([rows for _, rows in groups])
     return torch.cat([part @ experts.dense(name, e, x.dtype).t() for (e, _), part in zip(groups, parts)])
+
+
+def _onednn_copies(experts: ExpertWeights, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The experts' oneDNN-packed copies of weight `name` (w13 or w2), where x's products take them: x in float32
+    and no gradient wanted (the copies are for inference); else None."""
+    copies = {"w13": experts.onednn_w13, "w2": experts.onednn_w2}.get(name)
+    if copies is None or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    return copies
 
 
 def _padded_bmm(x: torch.Tensor, counts: list[int], weight: torch.Tensor) -> torch.Tensor:
@@ -236,7 +264,8 @@ def _pairs_read_less(pairs: int, experts: ExpertWeights, dtype: torch.dtype) -> 
 
 
 def _tensors(experts: ExpertWeights) -> list[torch.Tensor | None]:
-    """The experts' tensors in the custom op's argument order."""
+    """The experts' tensors in the custom op's argument order (not their oneDNN copies: with them, the compiled
+    batched decode of the 437M K3 ran no faster, 492 against 500 tok/s at 32 sequences)."""
     return [experts.w1, experts.w3, experts.w2, experts.w1_scale, experts.w3_scale, experts.w2_scale, experts.w13]
 
 

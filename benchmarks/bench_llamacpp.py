@@ -128,7 +128,9 @@ bundled-size model's are not, and run without); and compiled from a bfloat16 cop
 are read)."""
 MEM_FRACTION = 0.3
 """kestrel's mem_fraction_static: room for the 437M model's float32 expert copy and its oneDNN copy (3.3 GiB of
-weights in all; the CPU's default 0.1 of this machine's RAM is 2.4 GiB)."""
+weights in all) and for the state slots of max(BATCHES) sequences beside them. Under the CPU's default (0.1 of this
+machine's RAM, 2.4 GiB) the float32 copy alone left room for 13 slots, so that configuration's "32 sequences" ran
+13 at a time (runs before 2026-12-05 16:40 UTC); decode() now refuses a plan that cannot run them all at once."""
 
 
 @dataclass(frozen=True)
@@ -347,6 +349,9 @@ class KestrelTimer:
     def decode(self, n: int) -> float:
         """tok/s of NEW decode steps of n sequences with PROMPT-token prompts, after each has its first token."""
         engine = self.llm.engine
+        if engine.plan.max_running_requests < n:
+            raise SystemExit(f"kestrel's memory plan runs {engine.plan.max_running_requests} sequences at once, "
+                             f"fewer than {n}: raise MEM_FRACTION.")
         params = SamplingParams(temperature=0, max_tokens=NEW + 1, ignore_eos=True)
         for _ in range(n):
             engine.add_request(f"d{next(self.ids)}", self.prompt(PROMPT), params)

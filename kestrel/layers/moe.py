@@ -146,7 +146,7 @@ class RoutedExperts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         """The experts as the op takes them: the dense parameters or the held dense copy (with their oneDNN copies,
-        once packed), or the packed buffers."""
+        once packed, except in a traced graph, whose products never read them), or the packed buffers."""
         if not self.mxfp4:
             dense = ExpertWeights(self.w1, self.w3, self.w2)
         elif self.w13_dense is not None:
@@ -154,7 +154,7 @@ class RoutedExperts(nn.Module):
             dense = ExpertWeights(w1, w3, self.w2_dense, w13=self.w13_dense)
         else:
             return self._packed()
-        if self.onednn is None:
+        if self.onednn is None or torch.compiler.is_compiling():
             return dense
         return dataclasses.replace(dense, onednn_w13=self.onednn[0], onednn_w2=self.onednn[1])
 

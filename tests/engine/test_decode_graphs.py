@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kestrel.layers.moe as moe_layers
 from helpers import assert_idle, tiny_model
 from kestrel import LLM, SamplingParams
 from kestrel.engine import engine as engine_module
@@ -20,6 +21,7 @@ from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from kestrel.layers.linear import Linear, column_major_pays
 from kestrel.layers.mla import AUTO, PLAIN, GatedMLA
+from kestrel.layers.moe import hold_dense_experts, pack_onednn_experts
 from kestrel.ops import backend
 
 PAGE = 4
@@ -125,15 +127,21 @@ def test_padded_graph_steps_equal_dynamic_steps(preset, ops, restore_backends):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["packed", "onednn-copies"])
 @torch.inference_mode()
-def test_the_traced_step_equals_the_eager_step(restore_backends):
+def test_the_traced_step_equals_the_eager_step(onednn, restore_backends, monkeypatch):
     """The static step as torch.compile traces it into one graph (aot_eager: the graph inductor compiles for
     --enable-torch-compile, run without generating code; tests/engine/test_compiled_decode.py compiles it) gives the
     eager step's logits and cache writes over two steps of 3 sequences padded to 4 (K3.1: indexer, AttnRes, MXFP4
     experts, 16 of them so that the 8 token-expert pairs run in the graph; the grouped custom op that more pairs
-    call is checked in tests/ops/test_moe_experts.py)."""
+    call is checked in tests/ops/test_moe_experts.py); also with the experts' float32 copy held in oneDNN's layout
+    too (--moe-onednn-experts), which the graph carries without reading."""
     backend.set_backend("torch")
     model, _ = tiny_model("k3.1-tiny", num_experts=16)
+    if onednn:
+        monkeypatch.setattr(moe_layers, "EXPERT_PACKED_MIN_WEIGHT", 1)
+        hold_dense_experts(model, torch.float32)
+        assert pack_onednn_experts(model) > 0
     caches = [prefilled_cache(model), prefilled_cache(model)]
     eager, traced = (DecodeGraphs(model, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1,
                                   compile=compile) for cache, compile in zip(caches, (None, "aot_eager")))

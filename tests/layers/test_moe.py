@@ -10,10 +10,10 @@ import importlib
 import pytest
 import torch
 
+import kestrel.layers.moe as moe_layers
 from helpers import greedy_generate, tiny_model
 from kestrel.config import parse_config
 from kestrel.layers.batch import ForwardBatch
-import kestrel.layers.moe as moe_layers
 from kestrel.layers.moe import MoE, Router, hold_dense_experts, pack_onednn_experts
 from kestrel.models.presets import tiny_config
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4

@@ -242,7 +242,7 @@ def _hold_dense_experts(model: KimiForCausalLM, args: EngineArgs, device: torch.
 
 def _pack_onednn_experts(model: KimiForCausalLM, args: EngineArgs, device: torch.device) -> int:
     """--moe-onednn-experts: oneDNN-packed copies of the dense float32 routed experts, which multiply their rows
-    1.6-2.9x faster on an AMD EPYC (kestrel.ops.torch.moe; a prefill of 128 tokens 1.2x faster on a 437M K3) for
+    1.6-2.9x faster on an AMD EPYC (kestrel.ops.torch.moe; a 437M K3's prefill of 128 tokens 1.2-1.4x) for
     4 bytes per weight; returns the bytes the copies take."""
     if not args.moe_onednn_experts:
         return 0

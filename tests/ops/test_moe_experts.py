@@ -169,9 +169,9 @@ def test_experts_are_used_in_place(tokens: int, mxfp4: bool) -> None:
 @pytest.mark.parametrize("tokens", [2, 5, 6])
 def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, monkeypatch) -> None:
     """A bfloat16 copy of MXFP4 experts holds the same values as a float32 one; traced by torch.compile under float32
-    activations it runs by pairs up to twice as many pairs as experts (the float32 copy up to as many), reading
-    it converted, and the grouped custom op beyond: either way the float32 copy's products (tokens*k = 6, 15, 18
-    pairs against 8 experts)."""
+    activations, both run by pairs up to twice as many pairs as experts (the bfloat16 copy read converted), and
+    the grouped custom op beyond: either way the float32 copy's products (tokens*k = 6, 15, 18 pairs against 8
+    experts)."""
     generator = torch.Generator().manual_seed(11)
     packed = make_experts(True, generator)
     copies = {dtype: ExpertWeights(*(packed.dense(name, None, dtype) for name in ("w1", "w3", "w2")))
@@ -189,7 +189,7 @@ def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, 
         with torch.inference_mode():
             outputs[dtype] = compiled(z)
     pairs = ids.numel()
-    assert by_pairs == [torch.float32] * (pairs <= NUM_EXPERTS) + [torch.bfloat16] * (pairs <= 2 * NUM_EXPERTS)
+    assert by_pairs == [torch.float32, torch.bfloat16] * (pairs <= 2 * NUM_EXPERTS)
     torch.testing.assert_close(outputs[torch.bfloat16], outputs[torch.float32], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(outputs[torch.float32].double(), per_token(z, ids, weights, packed, ACTIVATIONS["silu"]),
                                rtol=1e-5, atol=1e-5)

@@ -25,7 +25,7 @@ spent in the routed experts, at decode of 1 / 32 sequences and a prefill of 128 
   `kestrel.quant.dequantize_mxfp4`). 25 / 257 / 361 ms: the expansion dominates once most experts are in use.
 - a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight (+528 MiB);
   exact (bfloat16 holds every MXFP4 value); used in place by bfloat16 models, cast per call by float32 ones
-  (eagerly; the compiled decode step reads it in place, converting as it multiplies, `_pairs_read_less`).
+  (eagerly; the compiled decode step reads it in place, converting as it multiplies, `_by_pairs`).
   17 / 135 / 196 ms.
 - a dense float32 copy: +4 bytes per weight (+1,056 MiB), used in place. 13 / 153 / 215 ms.
 The previous path (used experts gathered and dequantized whole every call) took 281 / 4,350 / 5,909 ms.
@@ -158,11 +158,11 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     weighted sum is accumulated in fp32. Differentiable with respect to z, weights and dense experts.
 
     Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: few pairs
-    (`_pairs_read_less`) run `moe_experts_by_pairs` in the graph, more run this grouped computation as one opaque
+    (`_by_pairs`) run `moe_experts_by_pairs` in the graph, more run this grouped computation as one opaque
     custom op.
     """
     if torch.compiler.is_compiling():
-        if _pairs_read_less(ids.numel(), experts, z.dtype) and not mxfp8_activations:
+        if _by_pairs(ids.numel(), experts) and not mxfp8_activations:
             return moe_experts_by_pairs(z, ids, weights, experts, activation)
         return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *_tensors(experts), activation.kind,
                                                      activation.beta, activation.linear_beta, mxfp8_activations)
@@ -251,16 +251,19 @@ def moe_experts_by_pairs(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     return (y.float().view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1).to(z.dtype)
 
 
-def _pairs_read_less(pairs: int, experts: ExpertWeights, dtype: torch.dtype) -> bool:
-    """Whether `pairs` token-expert pairs each reading their expert's rows (moe_experts_by_pairs) read fewer bytes
-    than the grouped computation reading each expert once in dtype: for packed experts, fewer pairs than experts;
-    for dense ones, pairs * their width <= experts * dtype's width, so a bfloat16 copy under float32 activations
-    (converted as it is read) serves up to twice as many pairs as experts. Measured on the 437M K3's experts
-    (64, top-4, 11 layers; compiled, 2 threads, a decode of T sequences): float32 experts at T=16 41 ms by pairs
-    against 47 grouped; a bfloat16 copy at T=32 48 ms against 68 (float32, grouped), at T=64 89 against 82."""
+def _by_pairs(pairs: int, experts: ExpertWeights) -> bool:
+    """Whether a traced graph runs `pairs` token-expert pairs one by one (moe_experts_by_pairs, each reading its
+    expert's rows) rather than the grouped op (each expert in use read once): for packed experts, while there are
+    fewer pairs than experts (each pair expands its expert's tiles); for dense ones, up to two pairs per expert.
+    There by pairs reads up to twice the grouped op's bytes and still runs faster, the grouped op's per-expert MKL
+    calls being far below the memory's bandwidth. Measured on
+    the 437M K3's experts (64, top-4, 11 layers; compiled, 2 threads, a decode of 32 sequences all running at once,
+    128 pairs): a float32 copy 214-231 tok/s by pairs against 123-132 grouped; a bfloat16 copy (by pairs) 248-277.
+    Not re-measured beyond two pairs per expert (earlier measurements ran the float32 copy 13 sequences at a time:
+    benchmarks/bench_llamacpp.py, MEM_FRACTION)."""
     if experts.mxfp4:
         return pairs < experts.num_experts
-    return pairs * experts.w1.element_size() <= experts.num_experts * dtype.itemsize
+    return pairs <= 2 * experts.num_experts
 
 
 def _tensors(experts: ExpertWeights) -> list[torch.Tensor | None]:

@@ -256,11 +256,11 @@ def _by_pairs(pairs: int, experts: ExpertWeights) -> bool:
     expert's rows) rather than the grouped op (each expert in use read once): for packed experts, while there are
     fewer pairs than experts (each pair expands its expert's tiles); for dense ones, up to two pairs per expert.
     There by pairs reads up to twice the grouped op's bytes and still runs faster, the grouped op's per-expert MKL
-    calls being far below the memory's bandwidth. Measured on
-    the 437M K3's experts (64, top-4, 11 layers; compiled, 2 threads, a decode of 32 sequences all running at once,
-    128 pairs): a float32 copy 214-231 tok/s by pairs against 123-132 grouped; a bfloat16 copy (by pairs) 248-277.
-    Not re-measured beyond two pairs per expert (earlier measurements ran the float32 copy 13 sequences at a time:
-    benchmarks/bench_llamacpp.py, MEM_FRACTION)."""
+    calls being far below the memory's bandwidth. Measured on the 437M K3's experts (64, top-4, 11 layers; compiled,
+    2 threads, a decode of 32 sequences all running at once, 128 pairs): a float32 copy 214-231 tok/s by pairs
+    against 123-132 grouped; a bfloat16 copy (by pairs) 248-277. Not re-measured beyond two pairs per expert
+    (earlier measurements ran the float32 copy 13 sequences at a time: benchmarks/bench_llamacpp.py,
+    MEM_FRACTION)."""
     if experts.mxfp4:
         return pairs < experts.num_experts
     return pairs <= 2 * experts.num_experts

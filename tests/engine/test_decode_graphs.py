@@ -135,7 +135,7 @@ def test_the_traced_step_equals_the_eager_step(onednn, restore_backends, monkeyp
     eager step's logits and cache writes over two steps of 3 sequences padded to 4 (K3.1: indexer, AttnRes, MXFP4
     experts, 16 of them so that the 8 token-expert pairs run in the graph; the grouped custom op that more pairs
     call is checked in tests/ops/test_moe_experts.py); also with the experts' float32 copy held in oneDNN's layout
-    too (--moe-onednn-experts), which the graph carries without reading."""
+    too (--moe-onednn-experts), which traced graphs leave out."""
     backend.set_backend("torch")
     model, _ = tiny_model("k3.1-tiny", num_experts=16)
     if onednn:

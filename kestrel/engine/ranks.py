@@ -246,7 +246,7 @@ def _pack_onednn_experts(model: KimiForCausalLM, args: EngineArgs, device: torch
     4 bytes per weight; returns the bytes the copies take."""
     if not args.moe_onednn_experts:
         return 0
-    added = pack_onednn_experts(model) if device.type == "cpu" else 0
+    added = pack_onednn_experts(model)
     if not added:
         raise ValueError(f"--moe-onednn-experts packs float32 routed experts of at least {EXPERT_PACKED_MIN_WEIGHT:,} "
                          f"weights per expert's w2 on the CPU (MXFP4 ones with --moe-dense-experts float32), and "

@@ -216,7 +216,7 @@ def _per_expert(x: torch.Tensor, counts: list[int], experts: ExpertWeights, name
 def _onednn_copies(experts: ExpertWeights, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The experts' oneDNN-packed copies of weight `name` (w13 or w2), where x's products take them: x in float32
     and no gradient wanted (the copies are for inference); else None."""
-    copies = {"w13": experts.onednn_w13, "w2": experts.onednn_w2}.get(name)
+    copies = getattr(experts, f"onednn_{name}", None)
     if copies is None or x.dtype != torch.float32 or (torch.is_grad_enabled() and x.requires_grad):
         return None
     return copies
@@ -267,8 +267,8 @@ def _by_pairs(pairs: int, experts: ExpertWeights) -> bool:
 
 
 def _tensors(experts: ExpertWeights) -> list[torch.Tensor | None]:
-    """The experts' tensors in the custom op's argument order (not their oneDNN copies: with them, the compiled
-    batched decode of the 437M K3 ran no faster, 492 against 500 tok/s at 32 sequences)."""
+    """The experts' tensors in the custom op's argument order (not their oneDNN copies, which traced graphs never
+    see: kestrel.layers.moe.RoutedExperts.weights)."""
     return [experts.w1, experts.w3, experts.w2, experts.w1_scale, experts.w3_scale, experts.w2_scale, experts.w13]
 
 

@@ -39,8 +39,8 @@ What runs:
    (KESTREL): eager and compiled (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's
    default: 0.53 bytes per expert weight, expanded as they are read), compiled with a float32 copy of the experts
    (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like
-   one; held a second time in oneDNN's packed layout, `moe_onednn_experts`, where the experts are large enough for
-   that to pay: the 437M model's), and compiled with a bfloat16 copy (`moe_dense_experts="bfloat16"`: the same
+   one; held a second time in oneDNN's packed layout, `moe_onednn_experts`, where that pays,
+   `kestrel.layers.moe.onednn_experts_pay`: the 437M model's experts on a CPU not Intel's), and compiled with a bfloat16 copy (`moe_dense_experts="bfloat16"`: the same
    values in 2 bytes, multiplied in float32). Compiling happens in
    the untimed first runs; their extra time is reported, with any step that failed to compile. Prefills are not
    compiled: the compiled configurations differ there only by the experts.
@@ -87,8 +87,9 @@ from benchmarks.report import machine, markdown_table, write_section  # noqa: E4
 from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.config import parse_config  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
+from kestrel.layers import linear as linear_layers  # noqa: E402
 from kestrel.layers.batch import ForwardBatch  # noqa: E402
-from kestrel.layers.moe import EXPERT_PACKED_MIN_WEIGHT  # noqa: E402
+from kestrel.layers.moe import onednn_experts_pay  # noqa: E402
 from kestrel.models.checkpoint import build_model, checkpoint_files, save_model  # noqa: E402
 from kestrel.models.init import init_weights  # noqa: E402
 from kestrel.quant.mxfp4 import dequantize_mxfp4  # noqa: E402
@@ -122,8 +123,8 @@ KESTREL = {"kestrel eager": {},
            "kestrel compiled, bf16 experts": {"enable_torch_compile": True, "moe_dense_experts": "bfloat16"}}
 """kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled;
 compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads, held a second time in
-oneDNN's packed layout where the experts are large enough for it to pay (moe_onednn_experts: the 437M model's; the
-bundled-size model's are not, and run without); and compiled from a bfloat16 copy, which holds the same values
+oneDNN's packed layout where that pays (moe_onednn_experts, kestrel.layers.moe.onednn_experts_pay: the 437M model's
+experts on a CPU not Intel's; the bundled-size model's are too small, and run without); and compiled from a bfloat16 copy, which holds the same values
 (bfloat16 holds every MXFP4 value) in half the bytes and multiplies them in float32 all the same (converted as they
 are read)."""
 MEM_FRACTION = 0.3
@@ -335,7 +336,7 @@ class KestrelTimer:
 
     def __init__(self, folder: Path, args: dict):
         config = parse_config(json.loads((folder / "config.json").read_text()))
-        if config.expert_dim * config.moe_intermediate_size < EXPERT_PACKED_MIN_WEIGHT:
+        if not onednn_experts_pay(config.expert_dim * config.moe_intermediate_size):
             args = {key: value for key, value in args.items() if key != "moe_onednn_experts"}
         self.llm = LLM(str(folder), dtype="float32", max_running_requests=max(BATCHES), disable_radix_cache=True,
                        mem_fraction_static=MEM_FRACTION, **args)
@@ -547,9 +548,11 @@ def main() -> None:
         "of two prompts in a row for both engines. "
         "llama.cpp: llama-batched-bench; kestrel: its engine (LLMEngine.add_request/step), eager and compiled "
         "(enable_torch_compile) with its packed MXFP4 experts, and compiled with a float32 copy of the experts "
-        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration; on the 437M model "
-        "held a second time in oneDNN's packed layout, moe_onednn_experts, whose experts' products it speeds up), "
-        "and compiled "
+        "(moe_dense_experts=float32: the bytes llama.cpp reads, the like-for-like configuration"
+        + ("; on the 437M model held a second time in oneDNN's packed layout, moe_onednn_experts, whose experts' "
+           "products it speeds up on this CPU" if linear_layers.ONEDNN else
+           "; not held a second time in oneDNN's layout, moe_onednn_experts, which is slower on Intel's CPUs")
+        + "), and compiled "
         "with a bfloat16 copy (moe_dense_experts=bfloat16: the same values in half the bytes, multiplied in "
         "float32). Every "
         "configuration runs each point once untimed first; then rounds in which the engines alternate point by "

@@ -27,6 +27,7 @@ from ..distributed.launch import (RankSpec, Workers, init_process_groups, rank_d
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import Parallel
 from ..distributed.pipeline import StageLink
+from ..layers import linear as linear_layers
 from ..layers.cache import HybridCache
 from ..layers.linear import fuse_linear_groups, hold_column_major, pack_onednn_weights
 from ..layers.moe import EXPERT_PACKED_MIN_WEIGHT, RoutedExperts, hold_dense_experts, pack_onednn_experts
@@ -243,9 +244,13 @@ def _hold_dense_experts(model: KimiForCausalLM, args: EngineArgs, device: torch.
 def _pack_onednn_experts(model: KimiForCausalLM, args: EngineArgs, device: torch.device) -> int:
     """--moe-onednn-experts: oneDNN-packed copies of the dense float32 routed experts, which multiply their rows
     1.6-2.9x faster on an AMD EPYC (kestrel.ops.torch.moe; a 437M K3's prefill of 128 tokens 1.2-1.4x) for
-    4 bytes per weight; returns the bytes the copies take."""
+    4 bytes per weight, and slower on Intel's CPUs (kestrel.layers.moe.EXPERT_PACKED_MIN_WEIGHT), which refuse the
+    flag; returns the bytes the copies take."""
     if not args.moe_onednn_experts:
         return 0
+    if device.type == "cpu" and not linear_layers.ONEDNN:
+        raise ValueError("--moe-onednn-experts is for CPUs on which oneDNN multiplies faster than MKL (any but "
+                         "Intel's); on this Intel CPU the routed experts' own products are the faster.")
     added = pack_onednn_experts(model)
     if not added:
         raise ValueError(f"--moe-onednn-experts packs float32 routed experts of at least {EXPERT_PACKED_MIN_WEIGHT:,} "

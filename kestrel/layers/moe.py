@@ -23,6 +23,7 @@ from ..distributed.parallel import SINGLE, Parallel
 from ..ops import backend
 from ..ops.torch.moe import ExpertWeights
 from .activation import glu_activation
+from . import linear as linear_layers
 from .linear import Linear, LinearGroup, pack_onednn
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
@@ -32,7 +33,16 @@ EXPERT_PACKED_MIN_WEIGHT = 1 << 16
 """The fewest elements of an expert's w2 ([D, I]) for which pack_onednn_experts packs float32 routed experts.
 Measured against the torch op's plain products (AMD EPYC, 2 threads, 64 or 32 experts, 1 to 16 rows per expert):
 at 65,536 elements ([256, 256]) 0.57-1.0x the time, at 32,768 ([256, 128]) 0.76-1.5x (slower at 1-2 rows), at
-18,432 ([192, 96], the bundled model's) 1.0-2.7x."""
+18,432 ([192, 96], the bundled model's) 1.0-2.7x. On an Intel Xeon (AVX-512 and AMX, 2 threads; the 437M K3's experts,
+64 of [512, 512] and [512, 256], top-4) they took 1.2-1.7x the time of the torch op's grouped GEMM (MKL) at 8 to
+512 tokens (8: 2.27 against 1.32 ms; 32: 5.39 against 3.10; 128: 8.36 against 6.78; 512: 17.1 against 13.7), so
+they are packed only where the CPU prefers oneDNN (kestrel.layers.linear.ONEDNN: any but Intel's)."""
+
+
+def onednn_experts_pay(w2_elements: int) -> bool:
+    """Whether oneDNN-packed copies speed up float32 CPU experts of w2_elements per expert's w2 on this machine: a
+    CPU that prefers oneDNN, and at least EXPERT_PACKED_MIN_WEIGHT of them."""
+    return linear_layers.ONEDNN and w2_elements >= EXPERT_PACKED_MIN_WEIGHT
 
 
 class GatedMLP(nn.Module):
@@ -251,13 +261,12 @@ def hold_dense_experts(model: nn.Module, dtype: torch.dtype | None) -> int:
 
 def pack_onednn_experts(model: nn.Module) -> int:
     """RoutedExperts.pack_onednn for every routed-expert module of model whose products oneDNN's packed copies
-    speed up: dense float32 experts on the CPU (a held float32 copy of MXFP4 ones too) with at least
-    EXPERT_PACKED_MIN_WEIGHT elements per expert's w2; returns the bytes the copies add. Call it after
-    hold_dense_experts."""
+    speed up (onednn_experts_pay: dense float32 experts, or a held float32 copy of MXFP4 ones); returns the bytes
+    the copies add. Call it after hold_dense_experts."""
     added = 0
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             w2 = module.weights().w2
-            if w2.dtype == torch.float32 and w2.device.type == "cpu" and w2[0].numel() >= EXPERT_PACKED_MIN_WEIGHT:
+            if w2.dtype == torch.float32 and w2.device.type == "cpu" and onednn_experts_pay(w2[0].numel()):
                 added += module.pack_onednn()
     return added

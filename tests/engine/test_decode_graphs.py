@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kestrel.layers.linear as linear_layers
 import kestrel.layers.moe as moe_layers
 from helpers import assert_idle, tiny_model
 from kestrel import LLM, SamplingParams
@@ -140,6 +141,7 @@ def test_the_traced_step_equals_the_eager_step(onednn, restore_backends, monkeyp
     model, _ = tiny_model("k3.1-tiny", num_experts=16)
     if onednn:
         monkeypatch.setattr(moe_layers, "EXPERT_PACKED_MIN_WEIGHT", 1)
+        monkeypatch.setattr(linear_layers, "ONEDNN", True)
         hold_dense_experts(model, torch.float32)
         assert pack_onednn_experts(model) > 0
     caches = [prefilled_cache(model), prefilled_cache(model)]

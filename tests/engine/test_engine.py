@@ -324,8 +324,14 @@ def test_moe_onednn_experts_decode_the_same_tokens_counted_in_the_plan(model_dir
     """--moe-onednn-experts with a float32 copy of the MXFP4 experts: every expert layer holds oneDNN copies of its
     weights (here of any size: this model's are under EXPERT_PACKED_MIN_WEIGHT), planned as weights (4 bytes per
     routed weight), and the engine decodes the plain copy's tokens, batched. Experts that would get no copy (these,
-    at the real threshold; MXFP4 ones without a float32 copy) refuse the flag at once."""
+    at the real threshold; MXFP4 ones without a float32 copy) and Intel's CPUs, where the copies are slower, refuse
+    the flag at once."""
+    import kestrel.layers.linear as linear_module
     import kestrel.layers.moe as moe_layers
+    monkeypatch.setattr(linear_module, "ONEDNN", False)
+    with pytest.raises(ValueError, match="on this Intel CPU"):
+        LLM(str(model_dir), dtype="float32", moe_dense_experts="float32", moe_onednn_experts=True)
+    monkeypatch.setattr(linear_module, "ONEDNN", True)
     refusal = "--moe-onednn-experts packs float32 routed experts"
     with pytest.raises(ValueError, match=refusal):
         LLM(str(model_dir), dtype="float32", moe_dense_experts="float32", moe_onednn_experts=True)

@@ -10,6 +10,7 @@ import importlib
 import pytest
 import torch
 
+import kestrel.layers.linear as linear_layers
 import kestrel.layers.moe as moe_layers
 from helpers import greedy_generate, tiny_model
 from kestrel.config import parse_config
@@ -162,11 +163,15 @@ def test_onednn_copies_compute_what_the_plain_experts_do(held: bool, monkeypatch
     weights, which the op then multiplies by: with the plain weights zeroed after packing, the MoE's outputs at 1 to
     30 tokens still equal the plain experts' to float32 rounding, while a wanted gradient reads the plain weights.
     The copies take the weights' bytes; experts under EXPERT_PACKED_MIN_WEIGHT, bfloat16 ones and packed MXFP4
-    ones get none, and dropping a held copy drops them."""
+    ones get none, nor any on a CPU that prefers MKL (Intel's), and dropping a held copy drops them."""
     packed, dense = packed_and_dense_moe()
     moe = packed if held else dense
+    monkeypatch.setattr(linear_layers, "ONEDNN", True)
     assert pack_onednn_experts(moe) == 0                                 # this model's experts are small
     monkeypatch.setattr(moe_layers, "EXPERT_PACKED_MIN_WEIGHT", 1)
+    monkeypatch.setattr(linear_layers, "ONEDNN", False)
+    assert pack_onednn_experts(dense) == 0
+    monkeypatch.setattr(linear_layers, "ONEDNN", True)
     assert pack_onednn_experts(packed) == 0                              # MXFP4, no dense copy
     if held:
         packed.experts.hold_dense_copy(torch.bfloat16)

@@ -33,10 +33,11 @@ EXPERT_PACKED_MIN_WEIGHT = 1 << 16
 """The fewest elements of an expert's w2 ([D, I]) for which pack_onednn_experts packs float32 routed experts.
 Measured against the torch op's plain products (AMD EPYC, 2 threads, 64 or 32 experts, 1 to 16 rows per expert):
 at 65,536 elements ([256, 256]) 0.57-1.0x the time, at 32,768 ([256, 128]) 0.76-1.5x (slower at 1-2 rows), at
-18,432 ([192, 96], the bundled model's) 1.0-2.7x. On an Intel Xeon (AVX-512 and AMX, 2 threads; the 437M K3's experts,
-64 of [512, 512] and [512, 256], top-4) they took 1.2-1.7x the time of the torch op's grouped GEMM (MKL) at 8 to
-512 tokens (8: 2.27 against 1.32 ms; 32: 5.39 against 3.10; 128: 8.36 against 6.78; 512: 17.1 against 13.7), so
-they are packed only where the CPU prefers oneDNN (kestrel.layers.linear.ONEDNN: any but Intel's)."""
+18,432 ([192, 96], the bundled model's) 1.0-2.7x. On an Intel Xeon (AVX-512 and AMX, 2 threads; 11 layers of the
+437M K3's experts, 64 of [512, 512] and [512, 256], top-4; eager, alternating, medians of 6) they took 1.2-1.4x
+the time of the torch op's grouped GEMM (MKL) up to 128 tokens and as long at 512 (per layer, 8 tokens: 3.21
+against 2.60 ms; 32: 8.08 against 5.64; 128: 12.66 against 9.97; 512: 21.44 against 22.21), so they are packed
+only where the CPU prefers oneDNN (kestrel.layers.linear.ONEDNN: any but Intel's)."""
 
 
 def onednn_experts_pay(w2_elements: int) -> bool:

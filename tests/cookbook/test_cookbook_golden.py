@@ -14,7 +14,9 @@ import itertools
 import sys
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
+from kestrel.cookbook import hardware
 from kestrel.cookbook.calculator import MODES, SPEC_MODES
 from kestrel.cookbook.planner import HICACHE_CHOICES
 from kestrel.cookbook.recipes import ENGINES, QUANTS, STRATEGIES, Recipe, RecipeRequest, base_requests, make_recipe
@@ -24,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "cookbook" / "golden" / "recipes.txt"
 REFRESH = ".venv/bin/python tests/cookbook/test_cookbook_golden.py"
 MODELS = ("k3", "k3.1-pro")
+CPU_RAM = 24 * 2**30
+"""The RAM the CPU recipes plan for (they read the machine's own): pinned, so that the file is the same on every
+machine that runs the test."""
 
 
 class Keys:
@@ -64,11 +69,12 @@ def recipe_line(recipe: Recipe, keys: Keys) -> str:
 
 def golden_text() -> str:
     keys, refusals, lines = Keys(), Keys(), []
-    for request in all_requests():
-        try:
-            lines.append(recipe_line(make_recipe(request), keys))
-        except RecipeRefused as refused:
-            refusals(str(refused))
+    with mock.patch.object(hardware, "ram_bytes", lambda: CPU_RAM):
+        for request in all_requests():
+            try:
+                lines.append(recipe_line(make_recipe(request), keys))
+            except RecipeRefused as refused:
+                refusals(str(refused))
     header = [f"# Every recipe the generator emits ({len(lines)} offered). Refresh after an intended change: {REFRESH}",
               "", "## Commands and notes"]
     texts = [f"{key} {text}" for key, text in sorted(keys.texts.items())]

@@ -38,12 +38,12 @@ What runs:
    the request's end (its first token), run twice and the first dropped as llama.cpp's is; in four configurations
    (KESTREL): eager and compiled (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's
    default: 0.53 bytes per expert weight, expanded as they are read), compiled with a float32 copy of the experts
-   (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like
-   one; held a second time in oneDNN's packed layout, `moe_onednn_experts`, where that pays,
-   `kestrel.layers.moe.onednn_experts_pay`: the 437M model's experts on a CPU not Intel's), and compiled with a bfloat16 copy (`moe_dense_experts="bfloat16"`: the same
-   values in 2 bytes, multiplied in float32). Compiling happens in
-   the untimed first runs; their extra time is reported, with any step that failed to compile. Prefills are not
-   compiled: the compiled configurations differ there only by the experts.
+   (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like one;
+   held a second time in oneDNN's packed layout, `moe_onednn_experts`, where that pays,
+   `kestrel.layers.moe.onednn_experts_pay`: the 437M model's experts on a CPU not Intel's), and compiled with a
+   bfloat16 copy (`moe_dense_experts="bfloat16"`: the same values in 2 bytes, multiplied in float32). Compiling
+   happens in the untimed first runs; their extra time is reported, with any step that failed to compile. Prefills
+   are not compiled: the compiled configurations differ there only by the experts.
 5. Writes the section "llamacpp" of docs/benchmarks.md: versions, the logits agreement, a table per model, and
    the issue's targets (437M: batch-1 decode >= llama.cpp, 32-sequence decode >= 1.5x; bundled-size: batch-1
    decode within 2x; prefill >= llama.cpp on both), met or not, against llama.cpp on two threads as the issue
@@ -121,12 +121,12 @@ KESTREL = {"kestrel eager": {},
            "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32",
                                               "moe_onednn_experts": True},
            "kestrel compiled, bf16 experts": {"enable_torch_compile": True, "moe_dense_experts": "bfloat16"}}
-"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled;
-compiled from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads, held a second time in
-oneDNN's packed layout where that pays (moe_onednn_experts, kestrel.layers.moe.onednn_experts_pay: the 437M model's
-experts on a CPU not Intel's; the bundled-size model's are too small, and run without); and compiled from a bfloat16 copy, which holds the same values
-(bfloat16 holds every MXFP4 value) in half the bytes and multiplies them in float32 all the same (converted as they
-are read)."""
+"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled; compiled
+from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads, held a second time in oneDNN's packed
+layout where that pays (moe_onednn_experts, kestrel.layers.moe.onednn_experts_pay: the 437M model's experts on a CPU
+not Intel's; the bundled-size model's are too small, and run without); and compiled from a bfloat16 copy, which holds
+the same values (bfloat16 holds every MXFP4 value) in half the bytes and multiplies them in float32 all the same
+(converted as they are read)."""
 MEM_FRACTION = 0.3
 """kestrel's mem_fraction_static: room for the 437M model's float32 expert copy and its oneDNN copy (3.3 GiB of
 weights in all) and for the state slots of max(BATCHES) sequences beside them. Under the CPU's default (0.1 of this

@@ -12,11 +12,11 @@ with index_add. No weight matrix is copied per token.
 oneDNN's packed copies (`--moe-onednn-experts`, kestrel.layers.moe.pack_onednn_experts: +4 bytes per weight)
 multiply an expert's few rows 1.6-2.9x faster than torch._grouped_mm, which calls MKL's sgemm once per expert:
 measured on an AMD EPYC (2 threads, 64 experts, all in use, random weights), [512, 256] experts took 2.6-3.6 ms
-against 5.2-8.3 at 2-16 rows per expert, [1024, 512] ones 5.8-9.4 against 16.6-22.9; at one row 0.6-0.7x the
-time. In the 437M K3 of benchmarks/bench_llamacpp.py (float32 expert copy), prefills of 128 tokens ran 1.2-1.4x
-faster (two same-process A/Bs, medians: 402 against 333 and 364 against 266 tok/s) and of 512 tokens 1.11x. On
-an Intel Xeon (AVX-512 and AMX), where MKL is the faster, they were 1.2-1.4x slower than the grouped GEMM up to 128 tokens, and
-the engine holds none there (kestrel.layers.moe.EXPERT_PACKED_MIN_WEIGHT).
+against 5.2-8.3 at 2-16 rows per expert, [1024, 512] ones 5.8-9.4 against 16.6-22.9; at one row 0.6-0.7x the time.
+In the 437M K3 of benchmarks/bench_llamacpp.py (float32 expert copy), prefills of 128 tokens ran 1.2-1.4x faster
+(two same-process A/Bs, medians: 402 against 333 and 364 against 266 tok/s) and of 512 tokens 1.11x. On an Intel
+Xeon (AVX-512 and AMX), where MKL is the faster, they were 1.2-1.4x slower than the grouped GEMM up to 128 tokens,
+and the engine holds none there (kestrel.layers.moe.EXPERT_PACKED_MIN_WEIGHT).
 
 MXFP4 on the CPU: three compute formats, measured by benchmarks/bench_moe_cpu.py (docs/benchmarks.md, "moe-cpu") on
 a 437M-parameter K3 (64 experts top-4, 11 MoE layers, 277M routed weights) in float32, one thread; time per step

@@ -12,11 +12,14 @@ where a check compares with a measurement taken on that device.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from ..engine.cache.planner import device_memory
 
 CATALOG_FILE = Path(__file__).parent / "data" / "hardware.json"
 CPU = "cpu"
@@ -132,7 +135,7 @@ def local_cpu(ranks: int = 1) -> Device:
     """This machine's CPU as a device for `ranks` engine ranks (kestrel runs them all here, sharing its memory, as
     kestrel.distributed.launch.ranks_on_node counts them): its RAM (measured now); bandwidth and throughput
     unknown."""
-    ram = ram_bytes()
+    ram = device_memory(torch.device("cpu"))
     unknown = "not measured by kestrel"
     facts = {
         "memory": Fact(ram / 2**20, "MiB", "measured", "this machine (os.sysconf)"),
@@ -147,11 +150,6 @@ def local_cpu(ranks: int = 1) -> Device:
         "ranks_per_device": Fact(ranks, "ranks", "measured", "kestrel's ranks of one CPU instance share the machine"),
     }
     return Device(id=CPU, name="this machine's CPU", vendor="", section="", cuda_names=(), facts=facts)
-
-
-def ram_bytes() -> int:
-    """This machine's RAM in bytes (os.sysconf)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def get_device(device_id: str) -> Device:

@@ -69,7 +69,7 @@ def recipe_line(recipe: Recipe, keys: Keys) -> str:
 
 def golden_text() -> str:
     keys, refusals, lines = Keys(), Keys(), []
-    with mock.patch.object(hardware, "ram_bytes", lambda: CPU_RAM):
+    with mock.patch.object(hardware, "device_memory", lambda device: CPU_RAM):
         for request in all_requests():
             try:
                 lines.append(recipe_line(make_recipe(request), keys))

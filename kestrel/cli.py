@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from .distributed.layout import ParallelLayout
 from .distributed.parallel import Parallel
 from .distributed.sharding import shard_bytes
 from .engine.args import BUNDLED_MODEL, EngineArgs
+from .engine.cache.planner import device_memory
 from .engine.llm import LLM
 from .engine.ranks import is_rank_zero, run_node
 from .engine.sampling import SamplingParams
@@ -185,7 +185,7 @@ def _random_model(args: argparse.Namespace) -> int:
     raw = tiny_config(args.config) if args.config in PRESETS else None
     config = parse_config(raw) if raw is not None else load_config(args.config)
     needed = sum(inspect_config(config).weight_bytes.values())
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = device_memory(torch.device("cpu"))
     if needed > available // 2:
         raise UsageError(f"this model needs {_bytes(needed)} of weights, more than half of this machine's "
                          f"{_bytes(available)} of memory; pick a smaller config.")

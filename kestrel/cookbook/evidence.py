@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..engine.cache.planner import device_memory
 from .hardware import CPU, device_for_cuda_name
 
 SCHEMA = "kestrel.evidence/1"
@@ -92,7 +93,7 @@ def fingerprint() -> tuple[str, dict[str, Any]]:
     gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if torch.cuda.is_available() else [])
     hardware = {"cpu": cpu_model, "cpu_cores": os.cpu_count(),
-                "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                "memory_bytes": device_memory(torch.device("cpu")),
                 "accelerators": gpus, "platform": platform.platform(),
                 "load_average_1m": os.getloadavg()[0]}   # other work on the machine slows the benchmark
     if not gpus:

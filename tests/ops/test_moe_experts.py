@@ -1,8 +1,9 @@
 """The routed experts' torch op (the CPU path and the reference) against the plain formula, token by token in float64:
 dense and MXFP4 experts, SiLU and SiTU, 1 to 64 tokens, a token routed twice to one expert, many tokens on one expert,
 experts with no tokens; gradients; MXFP4's table expansion against kestrel.quant.dequantize_mxfp4; and the op works
-in place: no tensor it creates is as large as the weights of two experts' matrices. The two forms a compiled decode
-step runs (one pair at a time; grouped as a custom op) against the same formula."""
+in place: no tensor it creates is as large as the weights of two experts' matrices. The forms a compiled decode step
+runs (the CPU kernel kestrel_cpu::expert_matvec for dense experts; one pair at a time; grouped as a custom op) against
+the same formula, and the kernel itself against float64 products."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kestrel.ops.torch.moe as moe_module
+from kestrel.ops.cpu import expert_matvec
 from kestrel.ops.torch.moe import (ExpertWeights, GLUActivation, _padded_bmm, expand_mxfp4, moe_experts,
-                                   moe_experts_by_pairs)
+                                   moe_experts_by_pairs, moe_experts_native)
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
 
 ACTIVATIONS = {"silu": GLUActivation("silu"), "situ": GLUActivation("situ", beta=4.0, linear_beta=25.0)}
@@ -72,6 +74,7 @@ def grouped_custom_op(z, ids, weights, experts: ExpertWeights, activation: GLUAc
 
 PATHS = {"grouped": moe_experts, "by_pairs": moe_experts_by_pairs, "custom_op": grouped_custom_op}
 FORMS = {"dense": {"mxfp4": False}, "fused": {"mxfp4": False, "fused": True}, "mxfp4": {"mxfp4": True}}
+DENSE_FORMS = [form for form, options in FORMS.items() if not options["mxfp4"]]
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 16, 33, 64])
@@ -87,6 +90,52 @@ def test_matches_the_per_token_formula(tokens: int, form: str, activation: str, 
     actual = PATHS[path](z, ids, weights, experts, ACTIVATIONS[activation])
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+@pytest.mark.parametrize("form", DENSE_FORMS)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, weight_dtype: torch.dtype,
+                                                      activation: str) -> None:
+    """moe_experts_native (dense experts on kestrel_cpu::expert_matvec, float32 activations): float32 experts, and
+    bfloat16 ones multiplied in float32, against the formula over the same weights."""
+    generator = torch.Generator().manual_seed(tokens)
+    dense = make_experts(generator=generator, **FORMS[form])
+    experts = ExpertWeights(*(None if w is None else w.to(weight_dtype) for w in
+                              (dense.w1, dense.w3, dense.w2, None, None, None, dense.w13)))
+    if dense.w13 is not None:
+        experts = ExpertWeights(*experts.w13.chunk(2, dim=1), experts.w2, w13=experts.w13)
+    z = torch.randn(tokens, DIM, generator=generator)
+    ids, weights = routing(tokens, generator)
+    expected = per_token(z, ids, weights, experts, ACTIVATIONS[activation])
+    actual = moe_experts_native(z, ids, weights, experts, ACTIVATIONS[activation])
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts, out_dim, in_dim, pairs", [
+    (8, 12, 64, 9),        # whole chunks of the input; rows in blocks of 4
+    (4, 7, 33, 5),         # a short last chunk; 3 rows after the blocks of 4
+    (3, 5, 16, 0),         # no pairs
+    (2, 130, 8, 23),       # many pairs on each expert (blocks of 4 pairs and a rest); more rows than a task's 64
+])
+def test_expert_matvec_computes_each_pairs_product(weight_dtype, experts, out_dim, in_dim, pairs) -> None:
+    """kestrel_cpu::expert_matvec: out[p] = w[expert[p]] @ x[p], against float64 products of the same values;
+    registered soundly (schema, fake, dispatch: torch.library.opcheck); an expert id out of range is refused."""
+    matvec = expert_matvec()
+    generator = torch.Generator().manual_seed(pairs)
+    w = torch.randn(experts, out_dim, in_dim, generator=generator).to(weight_dtype)
+    x = torch.randn(pairs, in_dim, generator=generator)
+    expert = torch.randint(0, experts, (pairs,), generator=generator)
+    expected = torch.einsum("poi,pi->po", w.double()[expert], x.double())
+    actual = matvec(x, expert, w)
+    assert actual.dtype == torch.float32 and actual.shape == (pairs, out_dim)
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.kestrel_cpu.expert_matvec.default, (x, expert, w))
+    with pytest.raises(RuntimeError, match="out of range"):
+        matvec(torch.zeros(1, in_dim), torch.tensor([experts]), w)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -166,30 +215,40 @@ def test_experts_are_used_in_place(tokens: int, mxfp4: bool) -> None:
     assert mode.largest == matrix if mxfp4 else mode.largest < matrix
 
 
-@pytest.mark.parametrize("tokens", [2, 5, 6])
-def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, monkeypatch) -> None:
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("tokens", [2, 5, 6, 11])
+def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, kernel: bool, monkeypatch) -> None:
     """A bfloat16 copy of MXFP4 experts holds the same values as a float32 one; traced by torch.compile under float32
-    activations, both run by pairs up to twice as many pairs as experts (the bfloat16 copy read converted), and
-    the grouped custom op beyond: either way the float32 copy's products (tokens*k = 6, 15, 18 pairs against 8
-    experts)."""
+    activations, both run on the CPU kernel up to NATIVE_PAIRS_PER_EXPERT pairs per expert, or where it is not built,
+    by pairs up to twice as many pairs as experts (the bfloat16 copy read converted), and the grouped custom op
+    beyond: either way the float32 copy's products (tokens*k = 6, 15, 18, 33 pairs against 8 experts)."""
     generator = torch.Generator().manual_seed(11)
     packed = make_experts(True, generator)
     copies = {dtype: ExpertWeights(*(packed.dense(name, None, dtype) for name in ("w1", "w3", "w2")))
               for dtype in (torch.float32, torch.bfloat16)}
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
-    by_pairs = []
-    monkeypatch.setattr(moe_module, "moe_experts_by_pairs", lambda *args: by_pairs.append(args[3].w1.dtype)
-                        or moe_experts_by_pairs(*args))
-    outputs = {}
+    if not kernel:
+        monkeypatch.setattr(moe_module, "expert_matvec_available", lambda: False)
+    paths, outputs = [], {}
+
+    def capture(gm: torch.fx.GraphModule, inputs):
+        targets = {str(node.target) for node in gm.graph.nodes if node.op == "call_function"}
+        paths.append(next((name for op, name in (("kestrel_cpu.expert_matvec", "kernel"),
+                                                   ("kestrel.moe_experts_grouped", "grouped")) if
+                           any(op in target for target in targets)), "by_pairs"))
+        return gm.forward
+
     for dtype, experts in copies.items():
         torch._dynamo.reset()
         compiled = torch.compile(lambda z, e=experts: moe_experts(z, ids, weights, e, ACTIVATIONS["silu"]),
-                                 backend="aot_eager", fullgraph=True)
+                                 backend=capture, fullgraph=True)
         with torch.inference_mode():
             outputs[dtype] = compiled(z)
     pairs = ids.numel()
-    assert by_pairs == [torch.float32, torch.bfloat16] * (pairs <= 2 * NUM_EXPERTS)
+    expected = ("kernel" if kernel and pairs <= moe_module.NATIVE_PAIRS_PER_EXPERT * NUM_EXPERTS else
+                "by_pairs" if pairs <= 2 * NUM_EXPERTS else "grouped")
+    assert paths == [expected] * 2
     torch.testing.assert_close(outputs[torch.bfloat16], outputs[torch.float32], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(outputs[torch.float32].double(), per_token(z, ids, weights, packed, ACTIVATIONS["silu"]),
                                rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """Numerics kernels behind one interface per op.
 
 `ops.torch` is the reference backend (CPU, autograd, written for clarity); faster backends must match it.
+`ops.cpu` holds C++ kernels that the torch backend's compiled CPU paths call (tested against the same formulas).
 Layers import ops from here, never from a backend directly.
 """
 

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kestrel.ops.torch.moe as moe_module
-from kestrel.ops.cpu import expert_matvec
+import kestrel.ops.cpu as cpu
 from kestrel.ops.torch.moe import (ExpertWeights, GLUActivation, _padded_bmm, expand_mxfp4, moe_experts,
                                    moe_experts_by_pairs, moe_experts_native)
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
@@ -124,7 +124,8 @@ def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, we
 def test_expert_matvec_computes_each_pairs_product(weight_dtype, experts, out_dim, in_dim, pairs) -> None:
     """kestrel_cpu::expert_matvec: out[p] = w[expert[p]] @ x[p], against float64 products of the same values;
     registered soundly (schema, fake, dispatch: torch.library.opcheck); an expert id out of range is refused."""
-    matvec = expert_matvec()
+    assert cpu.load()
+    matvec = torch.ops.kestrel_cpu.expert_matvec
     generator = torch.Generator().manual_seed(pairs)
     w = torch.randn(experts, out_dim, in_dim, generator=generator).to(weight_dtype)
     x = torch.randn(pairs, in_dim, generator=generator)
@@ -229,7 +230,7 @@ def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, 
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
     if not kernel:
-        monkeypatch.setattr(moe_module, "expert_matvec_available", lambda: False)
+        monkeypatch.setattr(cpu, "available", lambda: False)
     paths, outputs = [], {}
 
     def capture(gm: torch.fx.GraphModule, inputs):

@@ -1,19 +1,26 @@
-"""C++ kernels for the CPU, for loops that torch.compile does not write well.
+"""C++ kernels for the CPU, for loops that torch.compile does not write well; torch.ops.kestrel_cpu once loaded.
 
-- `kestrel_cpu::expert_matvec(x, expert, w)` (expert_matvec.cpp): out[p] = w[expert[p]] @ x[p] for P token-expert
-  pairs, x float32 [P, in], expert int64 [P], w float32 or bfloat16 [E, out, in] -> float32 [P, out]. Each expert's
-  rows are read once for all of its pairs; kestrel.ops.torch.moe runs the routed experts' products on it.
+- `expert_matvec(x, expert, w)` (expert_matvec.cpp): out[p] = w[expert[p]] @ x[p] for P token-expert pairs, x
+  float32 [P, in], expert int64 [P], w float32 or bfloat16 [E, out, in] -> float32 [P, out]. Each expert's rows are
+  read once for all of its pairs; kestrel.ops.torch.moe runs the routed experts' products on it.
+- `kda_state_step_(q, k, v, g, beta, state, slots, use_state, scale)` (kda_state_step.cpp): one token of KDA's delta
+  rule for N sequences, q, k, g [N, H, K], v [N, H, V], beta [N, H] float32, their states updated in place in the
+  float32 pool state [slots, H, K, V] at slots [N] (read as zeros where use_state [N] is false) -> o [N, H, V]; the
+  state crosses memory once each way. kestrel.ops.torch.kda_decode runs a decode step's recurrence on it.
 
-`expert_matvec()` builds them on first use with torch.utils.cpp_extension (the machine's C++ compiler, into torch's
-cache of built extensions, shared by processes and rebuilt only when the source or flags change; ~25 s on 2 cores)
-for the vector ISA inductor picks on this CPU, with the flags its own generated code gets. Where no ISA is found or
-the build fails it returns None (logged once), and callers take their torch path.
+`load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
+too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
+`~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
+by processes (~30 s on 2 cores, once). Where no ISA is found or the build fails it returns False (logged once),
+and callers take their torch paths, which compute the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable
+import os
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -21,35 +28,61 @@ import torch
 
 log = logging.getLogger("kestrel")
 
-SOURCE = Path(__file__).with_name("expert_matvec.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "cpu-kernels"
 
 
 @cache
-def expert_matvec() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """torch.ops.kestrel_cpu.expert_matvec, built and registered (with its fake for tracing) on first call; None
-    where it cannot be built here."""
+def load() -> bool:
+    """Whether the kernels are loaded into torch.ops.kestrel_cpu (with their fakes for tracing), building them on
+    the first call."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
-    from torch.utils.cpp_extension import load
 
     isa = pick_vec_isa()
     if not isa:
         log.warning("kestrel's CPU kernels: inductor found no vector ISA on this CPU; using the torch paths.")
-        return None
-    flags = ["-O3", "-fopenmp", *isa.build_arch_flags().split(), *(f"-D{macro}" for macro in isa.build_macro())]
+        return False
     try:
-        load("kestrel_cpu", [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
-    except Exception as e:                      # no compiler, say: the torch paths compute the same
-        log.warning("kestrel's CPU kernels failed to build, using the torch paths: %s", e)
-        return None
+        torch.ops.load_library(_build([*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())]))
+    except (OSError, subprocess.CalledProcessError) as e:       # no compiler, say: the torch paths compute the same
+        detail = getattr(e, "stderr", None) or str(e)
+        log.warning("kestrel's CPU kernels failed to build, using the torch paths: %s", detail.strip()[-2000:])
+        return False
 
     @torch.library.register_fake("kestrel_cpu::expert_matvec")
     def _(x, expert, w):
         return x.new_empty(x.shape[0], w.shape[1])
 
-    return torch.ops.kestrel_cpu.expert_matvec
+    @torch.library.register_fake("kestrel_cpu::kda_state_step_")
+    def _(q, k, v, g, beta, state, slots, use_state, scale):
+        return v.new_empty(v.shape)
+
+    return True
 
 
 @torch.compiler.assume_constant_result
-def expert_matvec_available() -> bool:
-    """Whether expert_matvec() is built here (building it on first call); a constant to torch.compile's tracing."""
-    return expert_matvec() is not None
+def available() -> bool:
+    """load(), as a constant to torch.compile's tracing."""
+    return load()
+
+
+def _build(isa_flags: list[str]) -> Path:
+    """The kernels' shared library for these flags, compiled into CACHE unless there already; written under a
+    temporary name and renamed, so that processes building at once each load a whole library."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    libraries = library_paths()
+    flags = ["-shared", "-fPIC", "-std=c++20", "-O3", "-fopenmp", *isa_flags,
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include_paths()),
+             *(f"-L{p}" for p in libraries), *(f"-Wl,-rpath,{p}" for p in libraries), "-lc10", "-ltorch_cpu"]
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
+                         + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:16]
+    target = CACHE / f"kestrel_cpu-{key}.so"
+    if not target.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        compiler = os.environ.get("CXX", "c++")
+        subprocess.run([compiler, *map(str, SOURCES), "-o", str(partial), *flags], check=True, capture_output=True,
+                       text=True)
+        partial.replace(target)
+    return target

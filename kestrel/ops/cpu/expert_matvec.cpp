@@ -135,6 +135,6 @@ at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at
 
 }  // namespace
 
-TORCH_LIBRARY(kestrel_cpu, m) { m.def("expert_matvec(Tensor x, Tensor expert, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) { m.def("expert_matvec(Tensor x, Tensor expert, Tensor w) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("expert_matvec", &expert_matvec); }

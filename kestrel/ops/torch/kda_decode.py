@@ -4,7 +4,9 @@ This is the reference for the fused decode kernel, composed of the plain pieces 
 `recurrent_kda`) and the same gate, normalisation and output norm as `kestrel.layers.kda`. It reads each
 sequence's conv and recurrent state from its slot of the pool and, for plain decode, writes the new states back
 in place. With `keep_token_states` (speculative verification) it leaves the pool as it was and returns the states
-after every token instead, so the engine can commit the state of the last accepted token.
+after every token instead, so the engine can commit the state of the last accepted token. Traced for the CPU's
+compiled decode step, a plain decode's recurrence runs on the C++ kernel kestrel_cpu::kda_state_step_
+(kestrel.ops.cpu), which updates the states where they lie, where it is built.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import cpu
 from .conv import causal_conv1d, causal_conv1d_step, causal_conv1d_uniform
 from .kda import recurrent_kda, recurrent_kda_step, recurrent_kda_uniform
 
@@ -100,7 +103,12 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     q, k = l2_normalize(q), l2_normalize(k)
     g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)
     beta = torch.sigmoid(beta_raw.float())
-    if each == 1:
+    final = None
+    if each == 1 and not keep_token_states and _state_step_in_place(state_pool):
+        o = torch.ops.kestrel_cpu.kda_state_step_(*(x.float().contiguous() for x in (q, k, v, g, beta)), state_pool,
+                                                  slots, use_state, head_dim ** -0.5 if scale is None else scale)
+        o = o.to(v.dtype)
+    elif each == 1:
         o, final = recurrent_kda_step(q, k, v, g, beta, state, scale)
         token_recurrent = final
     elif each:
@@ -116,8 +124,17 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
             token_conv = token_conv_states(qkv, conv_state, cu_seqlens)
         return o, TokenStates(conv=token_conv.to(conv_pool.dtype), recurrent=token_recurrent)
     conv_pool[slots] = conv_final.detach().to(conv_pool.dtype)
-    state_pool[slots] = final.detach().to(state_pool.dtype)
+    if final is not None:                       # else kda_state_step_ wrote the states where they lie
+        state_pool[slots] = final.detach().to(state_pool.dtype)
     return o, None
+
+
+def _state_step_in_place(state_pool: torch.Tensor) -> bool:
+    """Whether a traced decode step runs the recurrence on the CPU kernel kestrel_cpu::kda_state_step_ (kestrel.ops.cpu:
+    each state read and written once, in place): a contiguous float32 pool on the CPU whose value dim is a whole
+    number of 16-float vectors, the kernels built here."""
+    return (torch.compiler.is_compiling() and state_pool.device.type == "cpu" and state_pool.dtype == torch.float32
+            and state_pool.is_contiguous() and state_pool.shape[-1] % 16 == 0 and cpu.available())
 
 
 def token_conv_states(x: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ...quant import dequantize_mxfp4, fake_quantize_mxfp8
-from ..cpu import expert_matvec_available
+from .. import cpu
 
 SILU, SITU = "silu", "situ"
 _PAIR_INT = {2: torch.int32, 4: torch.int64}
@@ -271,7 +271,7 @@ def moe_experts_native(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     """moe_experts for dense float32 or bfloat16 experts under float32 activations, by the CPU kernel
     kestrel_cpu::expert_matvec (kestrel.ops.cpu): each expert's rows read in place once for all of its pairs,
     multiplied in float32. Same shapes as moe_experts."""
-    if not expert_matvec_available():                       # builds the kernel on first use
+    if not cpu.available():                                  # builds the kernels on first use
         raise RuntimeError("kestrel's CPU kernels could not be built here (the log says why).")
     num_tokens, top_k = ids.shape
     expert = ids.flatten()                                                         # [P]
@@ -291,7 +291,7 @@ def _native(z: torch.Tensor, pairs: int, experts: ExpertWeights) -> bool:
     used = (experts.w13, experts.w2) if experts.w13 is not None else (experts.w1, experts.w3, experts.w2)
     return (z.device.type == "cpu" and z.dtype == torch.float32 and not experts.mxfp4
             and all(w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() for w in used)
-            and pairs <= NATIVE_PAIRS_PER_EXPERT * experts.num_experts and expert_matvec_available())
+            and pairs <= NATIVE_PAIRS_PER_EXPERT * experts.num_experts and cpu.available())
 
 
 def _by_pairs(pairs: int, experts: ExpertWeights) -> bool:

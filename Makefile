@@ -24,7 +24,8 @@ serve: $(VENV)/.runtime
 	$(KESTREL) serve
 
 # The cookbook page is tested in a real headless browser (Debian's chromium, installed when missing). Each test
-# runs on one torch thread (tests/conftest.py), so two workers use both cores: 240-312 s here against 508-570 s in one process.
+# runs on one torch thread (tests/conftest.py), so two workers use both cores: 240-312 s on 2 cores against 508-570
+# s in one process.
 test: $(VENV)/.test
 	sh tools/install_browser.sh
 	$(PY) -m pytest -q -n 2

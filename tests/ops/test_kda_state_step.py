@@ -63,11 +63,8 @@ def decode_args(pool_dtype: torch.dtype, generator: torch.Generator) -> tuple:
             conv_pool, state_pool, torch.tensor(SLOTS), None, torch.tensor(USE_STATE))
 
 
-@pytest.mark.parametrize("pool_dtype, kernel", [(torch.float32, True), (torch.bfloat16, False)])
-def test_a_traced_decode_step_runs_the_kernel_on_a_float32_pool(pool_dtype: torch.dtype, kernel: bool) -> None:
-    args = decode_args(pool_dtype, torch.Generator().manual_seed(3))
-    eager_pools = [p.clone() for p in args[5:7]]
-    traced_pools = [p.clone() for p in args[5:7]]
+def trace_decode(*args, **kwargs) -> tuple[tuple, list[str]]:
+    """kda_decode(*args, **kwargs) traced by torch.compile (the graph run as traced), and the ops its graph calls."""
     targets = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs):
@@ -75,10 +72,17 @@ def test_a_traced_decode_step_runs_the_kernel_on_a_float32_pool(pool_dtype: torc
         return gm.forward
 
     torch._dynamo.reset()
+    return torch.compile(reference.kda_decode, backend=capture, fullgraph=True)(*args, **kwargs), targets
+
+
+@pytest.mark.parametrize("pool_dtype, kernel", [(torch.float32, True), (torch.bfloat16, False)])
+def test_a_traced_decode_step_runs_the_kernel_on_a_float32_pool(pool_dtype: torch.dtype, kernel: bool) -> None:
+    args = decode_args(pool_dtype, torch.Generator().manual_seed(3))
+    eager_pools = [p.clone() for p in args[5:7]]
+    traced_pools = [p.clone() for p in args[5:7]]
     with torch.inference_mode():
         expected, _ = reference.kda_decode(*args[:5], *eager_pools, *args[7:])
-        actual, _ = torch.compile(reference.kda_decode, backend=capture, fullgraph=True)(*args[:5], *traced_pools,
-                                                                                          *args[7:])
+        (actual, _), targets = trace_decode(*args[:5], *traced_pools, *args[7:])
     assert any("kestrel_cpu.kda_state_step_" in target for target in targets) == kernel
     tolerance = 1e-5 if kernel else 0
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
@@ -90,15 +94,8 @@ def test_a_traced_verification_keeps_the_torch_recurrence() -> None:
     """keep_token_states (a speculative verification) wants every token's state and leaves the pools as they were:
     the kernel does not apply."""
     args = decode_args(torch.float32, torch.Generator().manual_seed(4))
-    targets = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs):
-        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     with torch.inference_mode():
         expected = reference.kda_decode(*args, keep_token_states=True)
-        actual = torch.compile(reference.kda_decode, backend=capture, fullgraph=True)(*args, keep_token_states=True)
+        actual, targets = trace_decode(*args, keep_token_states=True)
     assert targets and not any("kda_state_step_" in target for target in targets)
     torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)

@@ -1,10 +1,14 @@
 """kestrel.ops.cpu's build: where the C++ compiler is missing or fails, load() logs why and returns False, so that
-callers take their torch paths (the kernels' results are tested with their ops: test_moe_experts, test_kda_decode),
-and the cache holds no partial library."""
+callers take their torch paths (the kernels' results are tested with their ops: test_moe_experts,
+test_kda_state_step), and the cache holds no partial library; a build for AVX2 passes the kernel tests too."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +23,30 @@ def test_a_failed_build_leaves_the_torch_paths(compiler: str, tmp_path, monkeypa
         assert cpu.load.__wrapped__() is False
     assert "kestrel's CPU kernels failed to build, using the torch paths" in caplog.text
     assert not any((tmp_path / "cpu-kernels").glob("*.so"))
+
+
+AVX2_RUN = """
+import sys
+import pytest
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+assert pick_vec_isa().build_macro() == ["CPU_CAPABILITY_AVX2"], pick_vec_isa()
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:xdist", *sys.argv[1:]]))
+"""
+
+
+def test_the_avx2_build_computes_the_same() -> None:
+    """The kernels carry code for AVX-512 and for AVX2 (expert_matvec's MXFP4 decode); on a CPU with AVX-512 the
+    suite builds and tests the first, so the kernel tests run again here in a process whose kernels are built for
+    AVX2 (ATEN_CPU_CAPABILITY=avx2, which inductor's ISA choice follows). Elsewhere the suite itself tests this
+    CPU's build."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if "CPU_CAPABILITY_AVX512" not in pick_vec_isa().build_macro():
+        pytest.skip(f"this CPU's kernels are built for {pick_vec_isa() or 'no vector ISA'}, tested by the suite")
+    tests = Path(__file__).parent
+    result = subprocess.run([sys.executable, "-c", AVX2_RUN, str(tests / "test_moe_experts.py"), "-k",
+                             "expert_matvec or cpu_kernel", str(tests / "test_kda_state_step.py")],
+                            cwd=tests.parent.parent, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " skipped" not in result.stdout

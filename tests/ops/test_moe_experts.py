@@ -93,18 +93,21 @@ def test_matches_the_per_token_formula(tokens: int, form: str, activation: str, 
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 33])
-@pytest.mark.parametrize("form", DENSE_FORMS)
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form, weight_dtype", [*((form, dtype) for form in DENSE_FORMS
+                                                  for dtype in (torch.float32, torch.bfloat16)),
+                                                ("mxfp4", torch.uint8)])
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, weight_dtype: torch.dtype,
                                                       activation: str) -> None:
-    """moe_experts_native (dense experts on kestrel_cpu::expert_matvec, float32 activations): float32 experts, and
-    bfloat16 ones multiplied in float32, against the formula over the same weights."""
+    """moe_experts_native (experts on kestrel_cpu::expert_matvec, float32 activations): float32 experts, bfloat16
+    ones multiplied in float32 and MXFP4 ones decoded as they are read, against the formula over the same
+    weights."""
     generator = torch.Generator().manual_seed(tokens)
-    dense = make_experts(generator=generator, **FORMS[form])
-    experts = ExpertWeights(*(None if w is None else w.to(weight_dtype) for w in
-                              (dense.w1, dense.w3, dense.w2, None, None, None, dense.w13)))
-    if dense.w13 is not None:
+    experts = make_experts(generator=generator, **FORMS[form])
+    if not experts.mxfp4:
+        experts = ExpertWeights(*(None if w is None else w.to(weight_dtype) for w in
+                                  (experts.w1, experts.w3, experts.w2, None, None, None, experts.w13)))
+    if experts.w13 is not None:
         experts = ExpertWeights(*experts.w13.chunk(2, dim=1), experts.w2, w13=experts.w13)
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
@@ -137,6 +140,38 @@ def test_expert_matvec_computes_each_pairs_product(weight_dtype, experts, out_di
     torch.library.opcheck(torch.ops.kestrel_cpu.expert_matvec.default, (x, expert, w))
     with pytest.raises(RuntimeError, match="out of range"):
         matvec(torch.zeros(1, in_dim), torch.tensor([experts]), w)
+
+
+@pytest.mark.parametrize("experts, out_dim, in_dim, pairs", [
+    (8, 12, 64, 9),        # two blocks of 32 inputs per row; rows in blocks of 4
+    (4, 7, 96, 5),         # three blocks; 3 rows after the blocks of 4
+    (3, 5, 32, 0),         # no pairs
+    (2, 130, 32, 23),      # many pairs on each expert; more rows than a task's 64
+])
+def test_expert_matvec_decodes_mxfp4_weights(experts, out_dim, in_dim, pairs) -> None:
+    """kestrel_cpu::expert_matvec on MXFP4 weights (codes and E8M0 scales, kestrel.quant's layout) against float64
+    products of kestrel.quant.dequantize_mxfp4's values: every E2M1 code (-0 too), the smallest scale (2^-127) and a
+    NaN block (scale 0xFF), which makes exactly its pairs' outputs NaN; registered soundly (opcheck); misshapen
+    codes or scales are refused."""
+    assert cpu.load()
+    matvec = torch.ops.kestrel_cpu.expert_matvec
+    generator = torch.Generator().manual_seed(pairs)
+    codes = torch.randint(0, 256, (experts, out_dim, in_dim // 2), dtype=torch.uint8, generator=generator)
+    scale = torch.randint(122, 130, (experts, out_dim, in_dim // 32), dtype=torch.uint8, generator=generator)
+    scale[0, 0, 0], scale[-1, -1, -1] = 0, 0xFF
+    x = torch.randn(pairs, in_dim, generator=generator)
+    expert = torch.randint(0, experts, (pairs,), generator=generator)
+    expected = torch.einsum("poi,pi->po", dequantize_mxfp4(codes, scale, torch.float64)[expert], x.double())
+    actual = matvec(x, expert, codes, scale)
+    assert actual.dtype == torch.float32 and actual.shape == (pairs, out_dim)
+    assert torch.equal(actual.isnan(), expected.isnan()) and actual.isnan().any() == (experts - 1 in expert)
+    bound = float(expected.nan_to_num().abs().max()) if pairs else 0.0
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-6 * bound, equal_nan=True)
+    torch.library.opcheck(matvec.default, (x, expert, codes, scale.clamp(max=130)))      # its checks want no NaN
+    with pytest.raises(RuntimeError, match="MXFP4 w must be"):
+        matvec(torch.zeros(1, in_dim + 2), torch.tensor([0]), codes[..., :-1].contiguous(), scale)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        matvec(torch.zeros(1, in_dim), torch.tensor([0]), codes, scale[:, :-1].contiguous())
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -218,15 +253,18 @@ def test_experts_are_used_in_place(tokens: int, mxfp4: bool) -> None:
 
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("tokens", [2, 5, 6, 11])
-def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, kernel: bool, monkeypatch) -> None:
-    """A bfloat16 copy of MXFP4 experts holds the same values as a float32 one; traced by torch.compile under float32
-    activations, both run on the CPU kernel up to NATIVE_PAIRS_PER_EXPERT pairs per expert, or where it is not built,
-    by pairs up to twice as many pairs as experts (the bfloat16 copy read converted), and the grouped custom op
-    beyond: either way the float32 copy's products (tokens*k = 6, 15, 18, 33 pairs against 8 experts)."""
+def test_traced_experts_compute_the_float32_copys_products(tokens: int, kernel: bool, monkeypatch) -> None:
+    """MXFP4 experts, packed or as a bfloat16 copy, hold the same values as a float32 copy; traced by torch.compile
+    under float32 activations, all three run on the CPU kernel up to NATIVE_PAIRS_PER_EXPERT pairs per expert (of
+    their dtype: 33 pairs are beyond float32's), or where it is not built, by pairs (up to twice as many pairs as
+    experts for the copies, read converted; fewer pairs than experts packed, each expanding its tiles), and the
+    grouped custom op beyond: every way the float32 copy's products (tokens*k = 6, 15, 18, 33 pairs against 8
+    experts)."""
     generator = torch.Generator().manual_seed(11)
     packed = make_experts(True, generator)
     copies = {dtype: ExpertWeights(*(packed.dense(name, None, dtype) for name in ("w1", "w3", "w2")))
               for dtype in (torch.float32, torch.bfloat16)}
+    forms = {"packed": packed, **copies}
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
     if not kernel:
@@ -240,17 +278,23 @@ def test_a_bfloat16_copy_traced_computes_the_float32_copys_experts(tokens: int, 
                            any(op in target for target in targets)), "by_pairs"))
         return gm.forward
 
-    for dtype, experts in copies.items():
+    for form, experts in forms.items():
         torch._dynamo.reset()
         compiled = torch.compile(lambda z, e=experts: moe_experts(z, ids, weights, e, ACTIVATIONS["silu"]),
                                  backend=capture, fullgraph=True)
         with torch.inference_mode():
-            outputs[dtype] = compiled(z)
+            outputs[form] = compiled(z)
     pairs = ids.numel()
-    expected = ("kernel" if kernel and pairs <= moe_module.NATIVE_PAIRS_PER_EXPERT * NUM_EXPERTS else
-                "by_pairs" if pairs <= 2 * NUM_EXPERTS else "grouped")
-    assert paths == [expected] * 2
-    torch.testing.assert_close(outputs[torch.bfloat16], outputs[torch.float32], rtol=1e-6, atol=1e-6)
+    expected = []
+    for experts in forms.values():
+        if kernel and pairs <= moe_module.NATIVE_PAIRS_PER_EXPERT[experts.w2.dtype] * NUM_EXPERTS:
+            expected.append("kernel")
+        else:
+            by_pairs = pairs < NUM_EXPERTS if experts.mxfp4 else pairs <= 2 * NUM_EXPERTS
+            expected.append("by_pairs" if by_pairs else "grouped")
+    assert paths == expected
+    for form in ("packed", torch.bfloat16):
+        torch.testing.assert_close(outputs[form], outputs[torch.float32], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(outputs[torch.float32].double(), per_token(z, ids, weights, packed, ACTIVATIONS["silu"]),
                                rtol=1e-5, atol=1e-5)
 

@@ -1,8 +1,10 @@
 """C++ kernels for the CPU, for loops that torch.compile does not write well; torch.ops.kestrel_cpu once loaded.
 
-- `expert_matvec(x, expert, w)` (expert_matvec.cpp): out[p] = w[expert[p]] @ x[p] for P token-expert pairs, x
-  float32 [P, in], expert int64 [P], w float32 or bfloat16 [E, out, in] -> float32 [P, out]. Each expert's rows are
-  read once for all of its pairs; kestrel.ops.torch.moe runs the routed experts' products on it.
+- `expert_matvec(x, expert, w, scale=None)` (expert_matvec.cpp): out[p] = w[expert[p]] @ x[p] for P token-expert
+  pairs, x float32 [P, in], expert int64 [P], w float32 or bfloat16 [E, out, in], or MXFP4 (kestrel.quant.mxfp4:
+  codes uint8 [E, out, in / 2] with scale uint8 [E, out, in / 32]) -> float32 [P, out]. Each expert's rows are read
+  once for all of its pairs (MXFP4 ones decoded in registers); kestrel.ops.torch.moe runs the routed experts'
+  products on it.
 - `kda_state_step_(q, k, v, g, beta, state, slots, use_state, scale)` (kda_state_step.cpp): one token of KDA's delta
   rule for N sequences, q, k, g [N, H, K], v [N, H, V], beta [N, H] float32, their states updated in place in the
   float32 pool state [slots, H, K, V] at slots [N] (read as zeros where use_state [N] is false) -> o [N, H, V]; the
@@ -11,8 +13,9 @@
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
 too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
 `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
-by processes (~30 s on 2 cores, once). Where no ISA is found or the build fails it returns False (logged once),
-and callers take their torch paths, which compute the same.
+by processes (~30 s on 2 cores, once), and tags inductor's cache keys with the library's, so that no graph
+compiled against other kernels calls these. Where no ISA is found or the build fails it returns False (logged
+once), and callers take their torch paths, which compute the same.
 """
 
 from __future__ import annotations
@@ -43,14 +46,19 @@ def load() -> bool:
         log.warning("kestrel's CPU kernels: inductor found no vector ISA on this CPU; using the torch paths.")
         return False
     try:
-        torch.ops.load_library(_build([*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())]))
+        library = _build([*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())])
+        torch.ops.load_library(library)
     except (OSError, subprocess.CalledProcessError) as e:       # no compiler, say: the torch paths compute the same
         detail = getattr(e, "stderr", None) or str(e)
         log.warning("kestrel's CPU kernels failed to build, using the torch paths: %s", detail.strip()[-2000:])
         return False
+    # Inductor's on-disk cache keys a compiled graph by its FX code, in which a call of these ops reads the same
+    # whatever their schemas: tagging the keys with the library's own key keeps a graph compiled against other
+    # kernels (an older kestrel's) from calling these with its arguments.
+    torch.compiler.config.cache_key_tag += f"+{library.stem}"
 
     @torch.library.register_fake("kestrel_cpu::expert_matvec")
-    def _(x, expert, w):
+    def _(x, expert, w, scale=None):
         return x.new_empty(x.shape[0], w.shape[1])
 
     @torch.library.register_fake("kestrel_cpu::kda_state_step_")

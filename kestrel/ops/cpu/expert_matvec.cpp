@@ -1,9 +1,11 @@
 // kestrel_cpu::expert_matvec: out[p] = w[expert[p]] @ x[p] for P token-expert pairs, each expert's rows read once
-// for all of its pairs (kestrel.ops.cpu).
+// for all of its pairs (kestrel.ops.cpu). The weights are float32, bfloat16 or MXFP4 (kestrel.quant.mxfp4's layout:
+// E2M1 codes two per byte, low nibble first, and an E8M0 scale per block of 32 inputs), read where they lie.
 //
 // The pairs are grouped by expert on the host; the tasks (an expert in use, a slice of its output rows) run in
-// parallel. A task walks its rows ROWS at a time: each chunk of those rows is loaded (and widened from bfloat16)
-// once and multiplied into the vectors of up to MAX_PAIRS pairs, accumulated in float32 registers.
+// parallel. A task walks its rows ROWS at a time: each chunk of those rows is loaded (widened from bfloat16, or
+// decoded from MXFP4 in registers) once and multiplied into the vectors of up to MAX_PAIRS pairs, accumulated in
+// float32 registers.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -11,7 +13,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -34,14 +43,89 @@ inline Chunk load(const at::BFloat16* p, int64_t n) {
   return at::vec::convert<float, 2, at::BFloat16, 1>(Vectorized<at::BFloat16>::loadu(p, n));
 }
 
+// E2M1 code -> value (bit 3 the sign), and E8M0 scale byte -> 2^(byte - 127) (0xFF: NaN), as kestrel.quant.mxfp4.
+alignas(64) constexpr float E2M1[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                                        -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+const std::array<float, 256> E8M0 = [] {
+  std::array<float, 256> scales;
+  for (int s = 0; s < 255; ++s) scales[s] = std::ldexp(1.f, s - 127);
+  scales[255] = std::numeric_limits<float>::quiet_NaN();
+  return scales;
+}();
+constexpr int64_t MXFP4_BLOCK = 32;
+static_assert(MXFP4_BLOCK % STEP == 0, "a chunk must lie within one MXFP4 block");
+
+// The STEP values whose codes are the STEP / 2 bytes at p, times scale.
+inline Chunk decode_mxfp4(const uint8_t* p, float scale) {
+  Chunk c(0.f);
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(STEP == 32);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  const __m512 table = _mm512_load_ps(E2M1), s = _mm512_set1_ps(scale);
+  c[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)), table), s);
+  c[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(low, high)), table), s);
+#elif defined(CPU_CAPABILITY_AVX2)
+  static_assert(STEP == 16);
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble),
+                                          _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));  // 16 codes in order
+  const __m256 magnitudes = _mm256_load_ps(E2M1), s = _mm256_set1_ps(scale);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i code = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(codes, 8) : codes);
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 3), 31));
+    c[half] = _mm256_mul_ps(_mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, code), sign), s);  // low 3 bits
+  }
+#else
+  alignas(64) float values[STEP];
+  for (int64_t i = 0; i < STEP / 2; ++i) {
+    values[2 * i] = E2M1[p[i] & 0x0F] * scale;
+    values[2 * i + 1] = E2M1[p[i] >> 4] * scale;
+  }
+  constexpr int64_t half = Vectorized<float>::size();
+  c[0] = Vectorized<float>::loadu(values);
+  c[1] = Vectorized<float>::loadu(values + half);
+#endif
+  return c;
+}
+
+// One expert's weight [out_dim, in], float32 or bfloat16: load(row, k, n) is its chunk of n <= STEP inputs from k.
+template <typename T>
+struct DenseRows {
+  static constexpr bool PREFETCH = sizeof(T) == 2;  // the next block's chunk: 1.4-1.5x faster in bfloat16, slower
+                                                     // in float32
+  const T* w;
+  int64_t in;
+  DenseRows expert(int64_t e, int64_t out_dim) const { return {w + e * out_dim * in, in}; }
+  Chunk load(int64_t row, int64_t k, int64_t n) const { return ::load(w + row * in + k, n); }
+  void prefetch(int64_t row, int64_t k) const { __builtin_prefetch(w + row * in + k, 0, 0); }
+};
+
+// One expert's MXFP4 weight: codes [out_dim, in / 2], scales [out_dim, in / 32] (in a multiple of 32, so that every
+// chunk is whole).
+struct Mxfp4Rows {
+  static constexpr bool PREFETCH = true;
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t in;
+  Mxfp4Rows expert(int64_t e, int64_t out_dim) const {
+    return {codes + e * out_dim * in / 2, scales + e * out_dim * in / MXFP4_BLOCK, in};
+  }
+  Chunk load(int64_t row, int64_t k, int64_t) const {
+    const int64_t at = row * in + k;
+    return decode_mxfp4(codes + at / 2, E8M0[scales[at / MXFP4_BLOCK]]);
+  }
+  void prefetch(int64_t row, int64_t k) const { __builtin_prefetch(codes + (row * in + k) / 2, 0, 0); }
+};
+
 inline float sum(const Chunk& c) {
   return at::vec::vec_reduce_all<float>([](Vectorized<float>& a, Vectorized<float>& b) { return a + b; },
                                         c[0] + c[1]);
 }
 
-// Rows [row, row + R) of w ([out_dim, in]) times x's rows pairs[0..NP): out[pairs[j], row + r].
-template <int R, int NP, typename W>
-void block(const W* w, const float* x, const int64_t* pairs, float* out, int64_t in, int64_t out_dim,
+// Rows [row, row + R) of one expert's weight w ([out_dim, in]) times x's rows pairs[0..NP): out[pairs[j], row + r].
+template <int R, int NP, typename Rows>
+void block(const Rows& w, const float* x, const int64_t* pairs, float* out, int64_t in, int64_t out_dim,
            int64_t row) {
   Chunk acc[R][NP];
   for (int r = 0; r < R; ++r)
@@ -51,10 +135,8 @@ void block(const W* w, const float* x, const int64_t* pairs, float* out, int64_t
     Chunk xs[NP];
     for (int j = 0; j < NP; ++j) xs[j] = load(x + pairs[j] * in + k, n);
     for (int r = 0; r < R; ++r) {
-      const W* chunk = w + (row + r) * in + k;
-      if constexpr (sizeof(W) == 2)  // the next block's chunk: 1.4-1.5x faster in bfloat16, slower in float32
-        __builtin_prefetch(chunk + ROWS * in, 0, 0);
-      const Chunk weights = load(chunk, n);
+      if constexpr (Rows::PREFETCH) w.prefetch(row + r + ROWS, k);
+      const Chunk weights = w.load(row + r, k, n);
       for (int j = 0; j < NP; ++j) acc[r][j] = at::vec::fmadd(weights, xs[j], acc[r][j]);
     }
   }
@@ -62,8 +144,8 @@ void block(const W* w, const float* x, const int64_t* pairs, float* out, int64_t
     for (int j = 0; j < NP; ++j) out[pairs[j] * out_dim + row + r] = sum(acc[r][j]);
 }
 
-template <int R, typename W>
-void rows_times_pairs(const W* w, const float* x, const int64_t* pairs, int64_t num_pairs, float* out, int64_t in,
+template <int R, typename Rows>
+void rows_times_pairs(const Rows& w, const float* x, const int64_t* pairs, int64_t num_pairs, float* out, int64_t in,
                       int64_t out_dim, int64_t row) {
   int64_t j = 0;
   for (; j + MAX_PAIRS <= num_pairs; j += MAX_PAIRS) block<R, MAX_PAIRS>(w, x, pairs + j, out, in, out_dim, row);
@@ -74,37 +156,48 @@ void rows_times_pairs(const W* w, const float* x, const int64_t* pairs, int64_t 
   }
 }
 
-template <typename W>
-void expert_rows(const W* w, const float* x, const int64_t* pairs, int64_t num_pairs, float* out, int64_t in,
+template <typename Rows>
+void expert_rows(const Rows& w, const float* x, const int64_t* pairs, int64_t num_pairs, float* out, int64_t in,
                  int64_t out_dim, int64_t begin, int64_t end) {
   int64_t row = begin;
   for (; row + ROWS <= end; row += ROWS) rows_times_pairs<ROWS>(w, x, pairs, num_pairs, out, in, out_dim, row);
   for (; row < end; ++row) rows_times_pairs<1>(w, x, pairs, num_pairs, out, in, out_dim, row);
 }
 
-// Every task (an expert in use, a slice of task_rows of its output rows) in parallel.
-template <typename W>
-void run_tasks(const W* w, const float* x, float* out, int64_t in, int64_t out_dim, const std::vector<int64_t>& order,
-               const std::vector<int64_t>& start, const std::vector<int64_t>& used, int64_t task_rows) {
+// Every task (an expert in use, a slice of task_rows of its output rows) in parallel; w holds all experts' weights.
+template <typename Rows>
+void run_tasks(const Rows& w, const float* x, float* out, int64_t in, int64_t out_dim,
+               const std::vector<int64_t>& order, const std::vector<int64_t>& start, const std::vector<int64_t>& used,
+               int64_t task_rows) {
   const int64_t slices = (out_dim + task_rows - 1) / task_rows;
   at::parallel_for(0, static_cast<int64_t>(used.size()) * slices, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t e = used[t / slices], begin = (t % slices) * task_rows;
-      expert_rows(w + e * out_dim * in, x, order.data() + start[e], start[e + 1] - start[e], out, in, out_dim, begin,
+      expert_rows(w.expert(e, out_dim), x, order.data() + start[e], start[e + 1] - start[e], out, in, out_dim, begin,
                   std::min(begin + task_rows, out_dim));
     }
   });
 }
 
-at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at::Tensor& w) {
+at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at::Tensor& w,
+                         const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "expert_matvec: x must be a contiguous float32 [P, in]");
   TORCH_CHECK(expert.dim() == 1 && expert.scalar_type() == at::kLong && expert.size(0) == x.size(0),
               "expert_matvec: expert must be int64 [P]");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == x.size(1) && w.is_contiguous() &&
-              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "expert_matvec: w must be a contiguous float32 or bfloat16 [E, out, in]");
   const int64_t num_pairs = x.size(0), in = x.size(1), num_experts = w.size(0), out_dim = w.size(1);
+  if (scale) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && in % MXFP4_BLOCK == 0 &&
+                w.size(2) * 2 == in,
+                "expert_matvec: MXFP4 w must be contiguous uint8 [E, out, in / 2], in a multiple of 32");
+    TORCH_CHECK(scale->scalar_type() == at::kByte && scale->is_contiguous() &&
+                scale->sizes() == at::IntArrayRef({num_experts, out_dim, in / MXFP4_BLOCK}),
+                "expert_matvec: scale must be contiguous uint8 [E, out, in / 32]");
+  } else {
+    TORCH_CHECK(w.dim() == 3 && w.size(2) == in && w.is_contiguous() &&
+                (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+                "expert_matvec: w must be a contiguous float32 or bfloat16 [E, out, in] (or MXFP4 with a scale)");
+  }
   at::Tensor out = at::empty({num_pairs, out_dim}, x.options());
   const at::Tensor ids = expert.contiguous();
   const int64_t* ex = ids.data_ptr<int64_t>();
@@ -124,17 +217,23 @@ at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at
   while (task_rows > ROWS && static_cast<int64_t>(used.size()) * ((out_dim + task_rows - 1) / task_rows) <
                                  4 * at::get_num_threads())
     task_rows /= 2;
-  if (w.scalar_type() == at::kFloat)
-    run_tasks(w.data_ptr<float>(), x.data_ptr<float>(), out.data_ptr<float>(), in, out_dim, order, start, used,
-              task_rows);
-  else
-    run_tasks(w.data_ptr<at::BFloat16>(), x.data_ptr<float>(), out.data_ptr<float>(), in, out_dim, order, start,
+  const float* xs = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (scale)
+    run_tasks(Mxfp4Rows{w.data_ptr<uint8_t>(), scale->data_ptr<uint8_t>(), in}, xs, o, in, out_dim, order, start,
               used, task_rows);
+  else if (w.scalar_type() == at::kFloat)
+    run_tasks(DenseRows<float>{w.data_ptr<float>(), in}, xs, o, in, out_dim, order, start, used, task_rows);
+  else
+    run_tasks(DenseRows<at::BFloat16>{w.data_ptr<at::BFloat16>(), in}, xs, o, in, out_dim, order, start, used,
+              task_rows);
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) { m.def("expert_matvec(Tensor x, Tensor expert, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
+  m.def("expert_matvec(Tensor x, Tensor expert, Tensor w, Tensor? scale=None) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("expert_matvec", &expert_matvec); }

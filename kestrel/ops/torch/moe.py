@@ -25,6 +25,8 @@ spent in the routed experts, at decode of 1 / 32 sequences and a prefill of 128 
 - packed (the default): 0.53 bytes per weight (140 MiB), nothing more; each call expands the tiles of the experts
   in use, one 65,536-entry table lookup per byte (`expand_mxfp4`, ~1.5 ns per weight, ~10x faster than
   `kestrel.quant.dequantize_mxfp4`). 25 / 257 / 361 ms: the expansion dominates once most experts are in use.
+  The compiled decode step instead decodes the packed weights in registers as the CPU kernel reads them
+  (`moe_experts_native`), the fastest of the three there (NATIVE_PAIRS_PER_EXPERT).
 - a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight (+528 MiB);
   exact (bfloat16 holds every MXFP4 value); used in place by bfloat16 models, cast per call by float32 ones
   (eagerly; the compiled decode step reads it in place, converting as it multiplies: `moe_experts_native`).
@@ -56,14 +58,22 @@ threads, 64 experts [512, 512] and [512, 256], 32 experts [192, 96]): a bf16 bmm
 expert took 1.5-3x the grouped GEMM at 1-2 rows per expert (1 and 2 threads; at 2, 32 experts [192, 96] top-2, 5
 tokens: 353 against 203 us; 64 experts [512, 256] top-4, 5 tokens: 2.4 against 1.0 ms)."""
 
-NATIVE_PAIRS_PER_EXPERT = 4
-"""Up to how many token-expert pairs per expert a traced graph runs dense experts on the CPU kernel
-(moe_experts_native) rather than by pairs or grouped. Measured on an Intel Xeon (AVX-512; 2 threads; eager calls of
-the kernel against the compiled moe_experts_by_pairs, alternating, medians per layer over 11 layers so that the
-weights stream from memory): the 437M K3's 64 experts [512, 256] top-4 in float32 at 1 / 8 / 32 / 64 tokens took
-0.30 / 2.12 / 4.39 / 7.25 ms against 0.34 / 2.33 / 6.86 / 13.80 by pairs, and in bfloat16 0.28 / 1.51 / 3.18 /
-4.36 against 0.20 / 1.54 / 5.32 / 8.95; the bundled-size 32 experts [192, 96] top-2 in float32 at 1 / 8 / 32 / 64
-tokens 0.05 / 0.16 / 0.34 / 0.56 against 0.07 / 0.21 / 0.42 / 0.66. Not measured beyond 4 pairs per expert."""
+NATIVE_PAIRS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.uint8: 16}
+"""Up to how many token-expert pairs per expert a traced graph runs the experts on the CPU kernel
+(moe_experts_native), by their weights' dtype (uint8: MXFP4), rather than by pairs or grouped. Measured on an Intel
+Xeon (AVX-512; 2 threads; eager calls, alternating, medians per layer over 11 layers so that the weights stream
+from memory), the 437M K3's 64 experts [512, 256] top-4, ms per layer:
+- against the compiled moe_experts_by_pairs at 1 / 8 / 32 / 64 tokens: float32 0.30 / 2.12 / 4.39 / 7.25 against
+  0.34 / 2.33 / 6.86 / 13.80, bfloat16 0.28 / 1.51 / 3.18 / 4.36 against 0.20 / 1.54 / 5.32 / 8.95; the bundled-size
+  32 experts [192, 96] top-2 in float32 at 1 / 8 / 32 / 64 tokens 0.05 / 0.16 / 0.34 / 0.56 against 0.07 / 0.21 /
+  0.42 / 0.66. MXFP4 at 1 / 8 / 32 tokens 0.21 / 1.13 / 2.58 against 1.39 / 25.1 / 25.8 compiled as before the
+  kernel took them (by pairs, then grouped), and the bfloat16 copy 0.33 / 1.74 / 3.46 on the kernel.
+- against the grouped op (each expert's rows by MKL, MXFP4 tiles expanded first) at 64 / 128 / 256 tokens, 4 / 8 /
+  16 pairs per expert: MXFP4 4.97 / 8.26 / 18.4 against 37.6 / 41.2 / 34.4, bfloat16 5.69 / 9.61 / 19.5 against
+  30.3 / 29.6 / 36.4; but float32, which MKL multiplies in place, 7.77 against 7.04 at 64 tokens, and 4.60 / 5.24 /
+  6.58 against 4.65 / 4.77 / 6.10 at 16 / 32 / 48 (so float32 could leave the kernel from 2 pairs per expert for the
+  grouped op, which a traced graph calls through Python with a host sync; not measured in the engine).
+Not measured beyond 16 pairs per expert."""
 
 EXPERT_VISIT_BYTES = 256 * 1024
 """The bytes of weights read in the time torch._grouped_mm spends on one expert in use on the CPU (~15 us at ~20
@@ -169,10 +179,10 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     runs in z's dtype, its input rounded to MXFP8 first with mxfp8_activations (D and I multiples of 32); the
     weighted sum is accumulated in fp32. Differentiable with respect to z, weights and dense experts.
 
-    Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: dense experts under
-    float32 activations run on the CPU kernel (`moe_experts_native`) up to NATIVE_PAIRS_PER_EXPERT pairs per
-    expert; otherwise few pairs (`_by_pairs`) run `moe_experts_by_pairs` in the graph, and more run this grouped
-    computation as one opaque custom op.
+    Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: float32, bfloat16 or MXFP4
+    experts under float32 activations run on the CPU kernel (`moe_experts_native`) up to NATIVE_PAIRS_PER_EXPERT
+    pairs per expert; otherwise few pairs (`_by_pairs`) run `moe_experts_by_pairs` in the graph, and more run this
+    grouped computation as one opaque custom op.
     """
     if torch.compiler.is_compiling():
         if not mxfp8_activations and _native(z, ids.numel(), experts):
@@ -268,37 +278,45 @@ def moe_experts_by_pairs(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 
 def moe_experts_native(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
                        activation: GLUActivation) -> torch.Tensor:
-    """moe_experts for dense float32 or bfloat16 experts under float32 activations, by the CPU kernel
-    kestrel_cpu::expert_matvec (kestrel.ops.cpu): each expert's rows read in place once for all of its pairs,
-    multiplied in float32. Same shapes as moe_experts."""
+    """moe_experts for float32, bfloat16 or MXFP4 experts under float32 activations, by the CPU kernel
+    kestrel_cpu::expert_matvec (kestrel.ops.cpu): each expert's rows read in place once for all of its pairs (MXFP4
+    ones decoded in registers), multiplied in float32. Same shapes as moe_experts."""
     if not cpu.available():                                  # builds the kernels on first use
         raise RuntimeError("kestrel's CPU kernels could not be built here (the log says why).")
     num_tokens, top_k = ids.shape
     expert = ids.flatten()                                                         # [P]
     x = z.repeat_interleave(top_k, 0)                                              # [P, D]: pair p's token
-    matvec = torch.ops.kestrel_cpu.expert_matvec
+
+    def matvec(rows: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.ops.kestrel_cpu.expert_matvec(rows, expert, getattr(experts, name),
+                                                   getattr(experts, f"{name}_scale", None))
+
     if experts.w13 is not None:
-        gate, up = matvec(x, expert, experts.w13).chunk(2, dim=-1)                 # [P, I] each
+        gate, up = matvec(x, "w13").chunk(2, dim=-1)                               # [P, I] each
     else:
-        gate, up = (matvec(x, expert, w) for w in (experts.w1, experts.w3))
-    y = matvec(activation(gate, up).contiguous(), expert, experts.w2)              # [P, D]
+        gate, up = matvec(x, "w1"), matvec(x, "w3")
+    y = matvec(activation(gate, up).contiguous(), "w2")                            # [P, D]
     return (y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
 
 
 def _native(z: torch.Tensor, pairs: int, experts: ExpertWeights) -> bool:
-    """Whether a traced graph runs the experts by moe_experts_native: dense contiguous float32 or bfloat16 experts
-    and float32 activations on the CPU, at most NATIVE_PAIRS_PER_EXPERT pairs per expert, the kernel built here."""
+    """Whether a traced graph runs the experts by moe_experts_native: contiguous float32, bfloat16 or MXFP4 experts
+    and float32 activations on the CPU, at most NATIVE_PAIRS_PER_EXPERT (of their dtype) pairs per expert, the kernel
+    built here."""
     used = (experts.w13, experts.w2) if experts.w13 is not None else (experts.w1, experts.w3, experts.w2)
-    return (z.device.type == "cpu" and z.dtype == torch.float32 and not experts.mxfp4
-            and all(w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() for w in used)
-            and pairs <= NATIVE_PAIRS_PER_EXPERT * experts.num_experts and cpu.available())
+    dtypes = (torch.uint8,) if experts.mxfp4 else (torch.float32, torch.bfloat16)
+    scales = (experts.w1_scale, experts.w3_scale, experts.w2_scale) if experts.mxfp4 else ()
+    return (z.device.type == "cpu" and z.dtype == torch.float32
+            and all(w.dtype in dtypes and w.is_contiguous() for w in used)
+            and all(s.is_contiguous() for s in scales)
+            and pairs <= NATIVE_PAIRS_PER_EXPERT[experts.w2.dtype] * experts.num_experts and cpu.available())
 
 
 def _by_pairs(pairs: int, experts: ExpertWeights) -> bool:
     """Whether a traced graph runs `pairs` token-expert pairs one by one (moe_experts_by_pairs, each reading its
-    expert's rows) rather than the grouped op (each expert in use read once): for packed experts, while there are
-    fewer pairs than experts (each pair expands its expert's tiles); for dense ones (where moe_experts_native does
-    not take them), up to two pairs per expert.
+    expert's rows) rather than the grouped op (each expert in use read once), where moe_experts_native does not take
+    them: for packed experts, while there are fewer pairs than experts (each pair expands its expert's tiles); for
+    dense ones, up to two pairs per expert.
     There by pairs reads up to twice the grouped op's bytes and still runs faster, the grouped op's per-expert MKL
     calls being far below the memory's bandwidth. Measured on the 437M K3's experts (64, top-4, 11 layers; compiled,
     2 threads, a decode of 32 sequences all running at once, 128 pairs): a float32 copy 214-231 tok/s by pairs

@@ -37,7 +37,8 @@ What runs:
    decode timed from the step where every sequence has its first token to the end, prefill from add_request to
    the request's end (its first token), run twice and the first dropped as llama.cpp's is; in four configurations
    (KESTREL): eager and compiled (`enable_torch_compile=True`) with the routed experts packed (MXFP4, kestrel's
-   default: 0.53 bytes per expert weight, expanded as they are read), compiled with a float32 copy of the experts
+   default: 0.53 bytes per expert weight, expanded per call eagerly, decoded in registers as the compiled step's
+   kernel reads them), compiled with a float32 copy of the experts
    (`moe_dense_experts="float32"`: 4 bytes per weight, what llama.cpp's float32 GGUF reads, so the like-for-like one;
    held a second time in oneDNN's packed layout, `moe_onednn_experts`, where that pays,
    `kestrel.layers.moe.onednn_experts_pay`: the 437M model's experts on a CPU not Intel's), and compiled with a
@@ -121,7 +122,8 @@ KESTREL = {"kestrel eager": {},
            "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32",
                                               "moe_onednn_experts": True},
            "kestrel compiled, bf16 experts": {"enable_torch_compile": True, "moe_dense_experts": "bfloat16"}}
-"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled; compiled
+"""kestrel's configurations (LLM arguments beyond the common ones): packed MXFP4 experts, eager and compiled (decoded
+in registers by the compiled step's expert kernel); compiled
 from a float32 copy of the experts, the bytes llama.cpp's float32 GGUF reads, held a second time in oneDNN's packed
 layout where that pays (moe_onednn_experts, kestrel.layers.moe.onednn_experts_pay: the 437M model's experts on a CPU
 not Intel's; the bundled-size model's are too small, and run without); and compiled from a bfloat16 copy, which holds

@@ -104,7 +104,7 @@ struct DenseRows {
 // One expert's MXFP4 weight: codes [out_dim, in / 2], scales [out_dim, in / 32] (in a multiple of 32, so that every
 // chunk is whole).
 struct Mxfp4Rows {
-  static constexpr bool PREFETCH = true;
+  static constexpr bool PREFETCH = true;  // measured level with none on the 437M K3's experts
   const uint8_t* codes;
   const uint8_t* scales;
   int64_t in;

@@ -4,9 +4,9 @@ Weights of the 437M K3 in benchmarks/bench_llamacpp.py that reach BLOCKED_MIN_WE
 dense MLP's gate and up projections [5632, 1024]) and one of 1024 x 1024 below it, times 1 to 32 rows: the rows of a
 batched decode step or of a verification of a few drafts per sequence. At 1 and 2 torch threads; each point the
 median of ROUNDS calls after a warm-up, the two alternating. "kestrel's path" names what linear runs there (F.linear,
-oneDNN, or blocked_linear); "max |diff|" is the largest difference of its output from F.linear's. Where oneDNN runs,
-also kestrel's Linear once `pack_onednn_weights` has packed its weight (the engine's layout), against F.linear.
-Then the layout `hold_column_major` chooses: F.linear against the same weight held column-major, for the bundled
+oneDNN, blocked_linear or the linear_rows kernel); "max |diff|" is the largest difference of its output from
+F.linear's. Where oneDNN runs, also kestrel's Linear once `pack_onednn_weights` has packed its weight (the engine's
+layout), against F.linear. Then the layout `hold_column_major` chooses: F.linear against the same weight held column-major, for the bundled
 model's shapes and ones either side of the rule (COLUMN_MAJOR_SHAPES), at 1, 5, 8 and 32 rows.
 Writes the section "linear" of docs/benchmarks.md.
 
@@ -44,13 +44,14 @@ THREADS = (1, 2)
 def path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which GEMM kestrel's linear ran for x times weight."""
     ran = []
-    saved = linear_module.blocked_linear, linear_module.onednn_linear
+    saved = linear_module.blocked_linear, linear_module.onednn_linear, linear_module.linear_rows
     linear_module.blocked_linear = lambda *args: ran.append("blocked") or saved[0](*args)
     linear_module.onednn_linear = lambda *args: ran.append("oneDNN") or saved[1](*args)
+    linear_module.linear_rows = lambda *args: ran.append("linear_rows") or saved[2](*args)
     try:
         linear_module.linear(x, weight)
     finally:
-        linear_module.blocked_linear, linear_module.onednn_linear = saved
+        linear_module.blocked_linear, linear_module.onednn_linear, linear_module.linear_rows = saved
     return ran[0] if ran else "F.linear"
 
 
@@ -119,7 +120,10 @@ def main() -> None:
         "few drafts per sequence). Where MKL runs, kestrel multiplies "
         f"{linear_module.BLOCKED_ROWS[0]}-{linear_module.BLOCKED_ROWS[1]} rows against weights of at least "
         f"{linear_module.BLOCKED_MIN_WEIGHT:,} elements by blocks of {linear_module.BLOCK} weight rows in one "
-        "batched GEMM (`blocked_linear`), since MKL streams the whole weight once per two or three of those rows; "
+        "batched GEMM (`blocked_linear`), since MKL streams the whole weight once per two or three of those rows, "
+        f"and {linear_module.ROWS_KERNEL[0]}-{linear_module.ROWS_KERNEL[1]} rows against weights of at least "
+        f"{linear_module.ROWS_KERNEL_MIN_WEIGHT:,} elements on kestrel's C++ kernel (`linear_rows`: each weight read "
+        "once for all rows; chosen by times with the weights coming from memory, where these come from cache); "
         "on CPUs that prefer oneDNN, weights of at least "
         f"{linear_module.ONEDNN_MIN_WEIGHT:,} elements take oneDNN (this machine: "
         f"{'oneDNN' if linear_module.ONEDNN else 'MKL'}), from a copy of the weight in oneDNN's own layout "

@@ -42,14 +42,29 @@ and [2048, 192] by 4-32 in 0.15-0.38 against 0.11-0.32, while at 1-3 rows MKL le
 bundled model, the block draft's decoding (per step a 5-token verification and the draft's 4-token LM head) ran
 6-13% faster at 1 and 8 sequences, eagerly and compiled, and plain compiled decoding of 8 sequences 10%.
 
-Traced by torch.compile (the CPU's compiled decode steps), a single row is not a GEMM call at all: `compiled_matvec`
-writes it as products summed over the input dim, which inductor's C++ backend turns into one vectorised loop over the
-weight, fused with the step's other work. On the AMD EPYC (2 threads, compiled) such loops streamed the 437M K3's
-[512, 1024] and [1024, 512] weights at 31-34 GB/s against MKL's 12-13 and oneDNN's 19-20, its [32000, 1024] LM head at
-33-35 against oneDNN's 30-31, and multiplied the bundled model's small weights twice as fast as MKL from cache; batch-1
-decode steps took 22 against 28 ms (437M) and 1.08 against 1.15-1.24 ms (bundled-size). The loops read a row-major
-weight faster than a column-major one (by ~1.4x on the bundled model's), so engines that compile keep every weight
-row-major (`hold_column_major` is for eager inference).
+Traced by torch.compile (the CPU's compiled decode steps) where oneDNN runs, a single row is not a GEMM call at
+all: `compiled_matvec` writes it as products summed over the input dim, which inductor's C++ backend turns into one
+vectorised loop over the weight, fused with the step's other work. On the AMD EPYC (2 threads, compiled) such loops
+streamed the 437M K3's [512, 1024] and [1024, 512] weights at 31-34 GB/s against MKL's 12-13 and oneDNN's 19-20, its
+[32000, 1024] LM head at 33-35 against oneDNN's 30-31, and multiplied the bundled model's small weights twice as fast
+as MKL from cache; batch-1 decode steps took 22 against 28 ms (437M) and 1.08 against 1.15-1.24 ms (bundled-size).
+The loops read a row-major weight faster than a column-major one (by ~1.4x on the bundled model's), so engines that
+compile keep every weight row-major (`hold_column_major` is for eager inference). Where MKL runs, single rows stay
+MKL's: on the Intel Xeon such loops streamed 17-18 GB/s against MKL's 21-25, and in one process switching between
+the two, the 437M K3's compiled batch-1 decode ran 32.8 tok/s with MKL for every weight against 28.6 with the loops
+(medians of 6 rounds; 29.5 with the loops for the weights below 2^19 elements); the bundled-size model's, 575
+against 581, level.
+
+Where MKL runs, the rows of a batched decode step (ROWS_KERNEL: 16 to 64) multiply weights of ROWS_KERNEL_MIN_WEIGHT
+elements or more on kestrel.ops.cpu's `linear_rows`, which reads each weight from memory once for all of the rows
+and broadcasts each of its elements against vectors of them (MKL's sgemm streamed these at 4-10 GB/s). On the Intel
+Xeon (2 threads, weights cycled so that they come from memory, alternating) the
+437M K3's weights of 2^19 elements or more took 0.56-0.86x MKL's time at 16 and 32 rows ([32000, 1024] 8.4
+against 12.2 ms and 9.3 against 16.4; [1024, 1024] 0.36 against 0.41 and 0.37 against 0.55), 0.63-0.95x at 48 and 64,
+and lost from 96 rows on; smaller weights lost at every row count ([128, 1024] 1.5-2.0x MKL's time), and at 4 to 15
+rows blocked_linear was as fast (bench_linear.py times the same weights from cache). In one process switching
+between the two, the 437M K3's compiled 32-sequence decode ran 196 against 188 tok/s (medians of 6 rounds; per-round
+ratios 0.94-1.16).
 
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
 call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).
@@ -62,6 +77,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kestrel.ops import cpu as cpu_kernels
 
 ONEDNN_MIN_WEIGHT = 1 << 20
 """Weights of at least this many elements (4 MB in float32) take oneDNN."""
@@ -76,6 +93,10 @@ COLUMN_MAJOR_MAX_IN = 384
 """The most input features of a weight held column-major (module docstring)."""
 COLUMN_MAJOR_MIN_OUT = 16
 """The fewest output features of a weight held column-major."""
+ROWS_KERNEL = (16, 64)
+"""The row counts (first, last) that large weights (ROWS_KERNEL_MIN_WEIGHT) multiply on kestrel_cpu.linear_rows where
+MKL runs (module docstring)."""
+ROWS_KERNEL_MIN_WEIGHT = 1 << 19
 PACK_ROWS = 32
 """The row count oneDNN lays packed weights out for (module docstring: any count from 4 to 128 serves 1 to 128 rows
 alike; one packed for 1 row is no faster than the plain weight at more)."""
@@ -132,6 +153,12 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, in] @ weight [out, in]^T + bias -> [R, out] on kestrel.ops.cpu's kernel (loaded), each weight read once
+    for all R rows (module docstring)."""
+    return torch.ops.kestrel_cpu.linear_rows(x, weight, bias)
+
+
 def compiled_matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] holding one row @ weight [out, in]^T + bias -> [..., out], written as products summed over the
     input dim, for torch.compile: inductor's C++ backend makes it one vectorised loop over the weight, with no call
@@ -149,15 +176,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [..., in], weight [out, in] -> [..., out]; oneDNN where it is the faster GEMM (from `packed`,
     weight's pack_onednn copy, when given and x has more than one row; below ONEDNN_MIN_WEIGHT, from `packed` at
-    PACKED_MIN_ROWS rows or more), by blocks where MKL would stream the weight once per few rows (module
-    docstring). Traced by torch.compile, a single row is a reduction in the graph (`compiled_matvec`)."""
+    PACKED_MIN_ROWS rows or more); where MKL runs, kestrel_cpu.linear_rows for ROWS_KERNEL rows by a large weight
+    and blocks where MKL would stream the weight once per few rows (module docstring). Traced by torch.compile on
+    oneDNN's CPUs, a single row is a reduction in the graph (`compiled_matvec`)."""
     if x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
+    if ONEDNN and torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
         return compiled_matvec(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if (not ONEDNN and ROWS_KERNEL[0] <= rows.shape[0] <= ROWS_KERNEL[1] and weight.numel() >= ROWS_KERNEL_MIN_WEIGHT
+            and weight.is_contiguous() and cpu_kernels.available()):
+        return linear_rows(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     large = _large(weight)
     if large or packed is not None:
-        rows = x.reshape(-1, x.shape[-1])
         if large and ONEDNN:
             gemm_weight = weight if packed is None or rows.shape[0] == 1 else packed
             return onednn_linear(rows.contiguous(), gemm_weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -61,9 +61,10 @@ def test_the_custom_op_traces_into_a_compiled_graph(monkeypatch):
 
 @pytest.mark.parametrize("onednn", [False, True])
 @pytest.mark.parametrize("shape, bias", [((1, 1024, 1024), True), ((1, 1, 96, 64), False), ((2, 96, 64), False)])
-def test_one_row_compiles_to_a_reduction_in_the_graph(shape, bias, onednn, monkeypatch):
-    """Traced by torch.compile, a single row (any weight size, either CPU rule) is compiled_matvec's products and
-    sum, with no GEMM call in the graph; two rows keep the GEMM. Compiled by inductor, the result is F.linear's."""
+def test_one_row_compiles_to_a_reduction_in_the_graph_on_onednns_cpus(shape, bias, onednn, monkeypatch):
+    """Traced by torch.compile where oneDNN runs, a single row (any weight size) is compiled_matvec's products and
+    sum, with no GEMM call in the graph; two rows keep the GEMM, and so does a single row where MKL runs. Compiled by
+    inductor, the result is F.linear's."""
     monkeypatch.setattr(linear_module, "ONEDNN", onednn)
     *rows, out_features, in_features = shape
     weight = weights(out_features, in_features)
@@ -80,9 +81,45 @@ def test_one_row_compiles_to_a_reduction_in_the_graph(shape, bias, onednn, monke
         torch.testing.assert_close(torch.compile(lambda x: linear(x, weight, b), backend=capture, fullgraph=True,
                                                  dynamic=False)(x), expected, atol=1e-5, rtol=1e-5)
         gemms = {target for target in graphs[0] if "linear" in target}
-        assert bool(gemms) == (x.numel() > in_features), graphs[0]
+        assert bool(gemms) == (x.numel() > in_features or not onednn), graphs[0]
         compiled = torch.compile(lambda x: linear(x, weight, b), fullgraph=True, dynamic=False)(x)
         torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows, min_weight, layout, kernel", [
+    ((16,), 1 << 16, "row-major", True), ((4, 8), 1 << 16, "row-major", True),     # 16 and 32 rows
+    ((64,), 1 << 16, "row-major", True),
+    ((15,), 1 << 16, "row-major", False), ((65,), 1 << 16, "row-major", False),   # outside ROWS_KERNEL
+    ((32,), 1 << 20, "row-major", False),                                         # a smaller weight
+    ((32,), 1 << 16, "column-major", False),                                      # a weight held column-major
+])
+def test_a_batched_steps_rows_take_the_rows_kernel_where_mkl_runs(rows, min_weight, layout, kernel, monkeypatch):
+    """Where MKL runs, ROWS_KERNEL rows against a weight of ROWS_KERNEL_MIN_WEIGHT elements or more (row-major, as
+    kestrel_cpu.linear_rows reads it) take the kernel, eagerly and compiled by inductor, equal to F.linear in float32
+    rounding; other row counts, smaller weights and oneDNN's CPUs do not."""
+    monkeypatch.setattr(linear_module, "ROWS_KERNEL_MIN_WEIGHT", min_weight)
+    weight, bias = weights(256, 512), torch.randn(256, generator=torch.Generator().manual_seed(9))
+    if layout == "column-major":
+        weight = linear_module.column_major(weight)
+    x = torch.randn(*rows, 512, generator=torch.Generator().manual_seed(10))
+    expected = F.linear(x, weight, bias)
+    for onednn in (False, True):
+        monkeypatch.setattr(linear_module, "ONEDNN", onednn)
+        graphs = []
+
+        def capture(gm: torch.fx.GraphModule, inputs):
+            graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+            return gm.forward
+
+        with torch.inference_mode():
+            eager = linear(x, weight, bias)
+            torch.compile(lambda x: linear(x, weight, bias), backend=capture, fullgraph=True, dynamic=False)(x)
+            compiled = torch.compile(lambda x: linear(x, weight, bias), fullgraph=True, dynamic=False)(x)
+        assert ("kestrel_cpu.linear_rows" in graphs[0]) == (kernel and not onednn), graphs[0]
+        for actual in (eager, compiled):
+            assert actual.shape == (*rows, 256)
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("rows, out_features, onednn, blocked", [

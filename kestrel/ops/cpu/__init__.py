@@ -9,6 +9,9 @@
   rule for N sequences, q, k, g [N, H, K], v [N, H, V], beta [N, H] float32, their states updated in place in the
   float32 pool state [slots, H, K, V] at slots [N] (read as zeros where use_state [N] is false) -> o [N, H, V]; the
   state crosses memory once each way. kestrel.ops.torch.kda_decode runs a decode step's recurrence on it.
+- `linear_rows(x, w, bias=None)` (linear_rows.cpp): x float32 [M, in] @ w [out, in]^T + bias [out] -> [M, out],
+  each weight read from memory once for up to 64 rows of x (32 with AVX2) and broadcast against a vector of them;
+  kestrel.layers.linear multiplies a batched decode step's rows by the large weights on it.
 
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
 too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
@@ -60,6 +63,10 @@ def load() -> bool:
     @torch.library.register_fake("kestrel_cpu::expert_matvec")
     def _(x, expert, w, scale=None):
         return x.new_empty(x.shape[0], w.shape[1])
+
+    @torch.library.register_fake("kestrel_cpu::linear_rows")
+    def _(x, w, bias=None):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("kestrel_cpu::kda_state_step_")
     def _(q, k, v, g, beta, state, slots, use_state, scale):

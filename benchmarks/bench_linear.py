@@ -6,8 +6,9 @@ batched decode step or of a verification of a few drafts per sequence. At 1 and 
 median of ROUNDS calls after a warm-up, the two alternating. "kestrel's path" names what linear runs there (F.linear,
 oneDNN, blocked_linear or the linear_rows kernel); "max |diff|" is the largest difference of its output from
 F.linear's. Where oneDNN runs, also kestrel's Linear once `pack_onednn_weights` has packed its weight (the engine's
-layout), against F.linear. Then the layout `hold_column_major` chooses: F.linear against the same weight held column-major, for the bundled
-model's shapes and ones either side of the rule (COLUMN_MAJOR_SHAPES), at 1, 5, 8 and 32 rows.
+layout), against F.linear. Then the layout `hold_column_major` chooses: F.linear against the same weight held
+column-major, for the bundled model's shapes and ones either side of the rule (COLUMN_MAJOR_SHAPES), at 1, 5, 8 and
+32 rows.
 Writes the section "linear" of docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_linear.py

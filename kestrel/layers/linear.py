@@ -56,15 +56,14 @@ the two, the 437M K3's compiled batch-1 decode ran 32.8 tok/s with MKL for every
 against 581, level.
 
 Where MKL runs, the rows of a batched decode step (ROWS_KERNEL: 16 to 64) multiply weights of ROWS_KERNEL_MIN_WEIGHT
-elements or more on kestrel.ops.cpu's `linear_rows`, which reads each weight from memory once for all of the rows
-and broadcasts each of its elements against vectors of them (MKL's sgemm streamed these at 4-10 GB/s). On the Intel
-Xeon (2 threads, weights cycled so that they come from memory, alternating) the
-437M K3's weights of 2^19 elements or more took 0.56-0.86x MKL's time at 16 and 32 rows ([32000, 1024] 8.4
-against 12.2 ms and 9.3 against 16.4; [1024, 1024] 0.36 against 0.41 and 0.37 against 0.55), 0.63-0.95x at 48 and 64,
-and lost from 96 rows on; smaller weights lost at every row count ([128, 1024] 1.5-2.0x MKL's time), and at 4 to 15
-rows blocked_linear was as fast (bench_linear.py times the same weights from cache). In one process switching
-between the two, the 437M K3's compiled 32-sequence decode ran 196 against 188 tok/s (medians of 6 rounds; per-round
-ratios 0.94-1.16).
+elements or more on kestrel.ops.cpu's `linear_rows`, which reads each weight from memory once for all of the rows and
+broadcasts each of its elements against vectors of them (MKL's sgemm streamed these at 4-10 GB/s). On the Intel Xeon
+(2 threads, weights cycled so that they come from memory, alternating) the 437M K3's weights of 2^19 elements or more
+took 0.56-0.86x MKL's time at 16 and 32 rows ([32000, 1024] 8.4 against 12.2 ms and 9.3 against 16.4; [1024, 1024]
+0.36 against 0.41 and 0.37 against 0.55), 0.63-0.95x at 48 and 64, and lost from 96 rows on; smaller weights lost at
+every row count ([128, 1024] 1.5-2.0x MKL's time), and at 4 to 15 rows blocked_linear was as fast (bench_linear.py
+times the same weights from cache). In one process switching between the two, the 437M K3's compiled 32-sequence
+decode ran 196 against 188 tok/s (medians of 6 rounds; per-round ratios 0.94-1.16).
 
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
 call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).
@@ -97,6 +96,7 @@ ROWS_KERNEL = (16, 64)
 """The row counts (first, last) that large weights (ROWS_KERNEL_MIN_WEIGHT) multiply on kestrel_cpu.linear_rows where
 MKL runs (module docstring)."""
 ROWS_KERNEL_MIN_WEIGHT = 1 << 19
+"""The fewest elements (2 MB in float32) of a weight that ROWS_KERNEL rows multiply on the kernel."""
 PACK_ROWS = 32
 """The row count oneDNN lays packed weights out for (module docstring: any count from 4 to 128 serves 1 to 128 rows
 alike; one packed for 1 row is no faster than the plain weight at more)."""

@@ -1,4 +1,5 @@
-"""nn.Linear whose float32 CPU inference runs on oneDNN's GEMM instead of MKL's, on CPUs where MKL is the slower.
+"""nn.Linear whose float32 CPU inference runs on oneDNN's GEMM instead of MKL's, on CPUs where MKL is the slower, and
+a batched step's rows on kestrel's own kernel where MKL runs.
 
 torch's CPU matmul is MKL's sgemm. On an AMD EPYC (Zen 5, AVX-512, 2 threads) MKL streams a [1, 1024] x [1024, 1024]
 decode matvec from memory at 14 GB/s and multiplies 32 rows at 95 GFLOPS; oneDNN (torch's
@@ -7,8 +8,8 @@ benchmarks/bench_llamacpp.py decodes 1.2-1.4x faster compiled at one sequence an
 (AVX-512 and AMX, 2 threads) it is the other way round: MKL streams the matvec at 24 GB/s against oneDNN's 20,
 and the same 437M K3 decodes compiled at 37 tok/s with MKL against 30 with oneDNN at one sequence, as fast at 32
 sequences (164 tok/s), and prefills 128 and 512 tokens as fast or faster. MKL is Intel's, tuned for Intel's CPUs,
-so the rule is the CPU's vendor: Intel keeps F.linear, every other CPU takes oneDNN. Smaller weights keep MKL
-(but see PACKED_MIN_WEIGHT below): the op is opaque to torch.compile (a custom op, called back through Python from
+so the rule is the CPU's vendor: Intel keeps MKL (but see ROWS_KERNEL below), every other CPU takes oneDNN.
+Smaller weights keep MKL (but see PACKED_MIN_WEIGHT below): the op is opaque to torch.compile (a custom op, called back through Python from
 compiled code), which would cost more than it saves on matrices of a few hundred thousand elements (most of the
 bundled model's). Training (grad enabled), other dtypes and other devices take F.linear unchanged.
 

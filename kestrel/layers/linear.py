@@ -10,8 +10,9 @@ and the same 437M K3 decodes compiled at 37 tok/s with MKL against 30 with oneDN
 sequences (164 tok/s), and prefills 128 and 512 tokens as fast or faster. MKL is Intel's, tuned for Intel's CPUs,
 so the rule is the CPU's vendor: Intel keeps MKL (but see ROWS_KERNEL below), every other CPU takes oneDNN.
 Smaller weights keep MKL (but see PACKED_MIN_WEIGHT below): the op is opaque to torch.compile (a custom op, called
-back through Python from compiled code), which would cost more than it saves on matrices of a few hundred thousand elements (most of the
-bundled model's). Training (grad enabled), other dtypes and other devices take F.linear unchanged.
+back through Python from compiled code), which would cost more than it saves on matrices of a few hundred thousand
+elements (most of the bundled model's). Training (grad enabled), other dtypes and other devices take F.linear
+unchanged.
 
 Where MKL runs, products of 4 to 15 rows against large weights go by blocks (`blocked_linear`): MKL's sgemm streams
 the whole weight once per two or three of those rows (on the Intel Xeon, 2 threads: [3, 1024] x [1024, 32000] 3.0 ms,

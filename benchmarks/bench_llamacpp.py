@@ -51,7 +51,7 @@ What runs:
    measured, with the ratio to llama.cpp on one thread beside it.
 
 Cost: the first run downloads the 77 MB sdist and builds llama.cpp (6 to 15 minutes on 2 shared cores); a run
-converts both models (about 2 minutes) and benchmarks them: 80-100 minutes on 2 shared cores, most of it the 437M
+converts both models (about 2 minutes) and benchmarks them: 60-100 minutes on 2 shared cores, most of it the 437M
 model (its untimed first runs, torch.compile's compiling included, and three rounds). Not part of `make test`.
 
 Run: .venv/bin/python benchmarks/bench_llamacpp.py [--cache-dir DIR] [--rounds N] [--rounds-437m N]

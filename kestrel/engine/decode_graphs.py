@@ -66,7 +66,8 @@ class StepOutputs(NamedTuple):
 
 def compile_options(backend: str) -> dict:
     """torch.compile options for a forward over fixed weights (see DecodeGraphs): module guards skipped, and under
-    inductor the weights frozen as constants without a oneDNN-packed copy, and the wrapper code in C++."""
+    inductor its freezing path without a oneDNN-packed copy (the weights stay inputs: DecodeGraphs), and the
+    wrapper code in C++."""
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if backend == "inductor":
         options.update({"cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False})
@@ -105,12 +106,15 @@ class DecodeGraphs:
         self.forward = self._forward
         if compile:
             # One graph per (batch size, width); the model's weights are never replaced while it serves, so their
-            # guards are skipped (they cost ~0.6 ms per call on the bundled model) and inductor freezes them (the
-            # generated code holds them as constants instead of taking ~1,000 inputs per call: the 437M K3's
-            # batch-1 step 35-36 -> 37-40 tok/s, +170 MB RSS), without repacking them for oneDNN (weight_prepack: a
-            # second, packed copy of the dense weights, +740 MB there). Inductor writes the code that calls its
-            # kernels in C++ too (cpp_wrapper): a Python wrapper spends ~0.3 ms per step on the bundled model
-            # allocating and checking buffers, for twice the compile time.
+            # guards are skipped (they cost ~0.6 ms per call on the bundled model). Inductor compiles on its freezing
+            # path, told not to repack weights for oneDNN (weight_prepack: a second, packed copy of each), but the
+            # weights stay inputs of the graph: dynamo lifts them as attributes, which freezing makes constants,
+            # only while the global torch._inductor.config.freezing is set as it traces, and options reach inductor
+            # after that. Set globally, it made them constants (the bundled model's step 145 inputs instead of 163)
+            # and that model's batch-1 decode ran 0.95x as fast (medians of 8 alternating rounds in one process), so
+            # it stays unset. Inductor writes the code that calls its kernels in C++ too (cpp_wrapper): a Python
+            # wrapper spends ~0.3 ms per step on the bundled model allocating and checking buffers, for twice the
+            # compile time.
             widths = page_table.max_pages.bit_length() + 1
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) * widths * self.max_tokens_per_seq)

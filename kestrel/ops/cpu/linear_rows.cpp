@@ -8,7 +8,6 @@
 // row-major, as the checkpoint has it. While a tile is multiplied, the next tile's rows (contiguous) are prefetched
 // in address order. Panels of PANEL weight rows run in parallel; more than MAX_CHUNK rows of x go by chunks.
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -16,13 +16,14 @@
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
 too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
 `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
-by processes (~30 s on 2 cores, once), and tags inductor's cache keys with the library's, so that no graph
-compiled against other kernels calls these. Where no ISA is found or the build fails it returns False (logged
-once), and callers take their torch paths, which compute the same.
+by processes (~30 s on 2 cores, once; a build removes all but the KEEP most recently used), and tags inductor's
+cache keys with the library's, so that no graph compiled against other kernels calls these. Where no ISA is found
+or the build fails it returns False (logged once), and callers take their torch paths, which compute the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -36,6 +37,8 @@ log = logging.getLogger("kestrel")
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "cpu-kernels"
+KEEP = 8
+"""Libraries kept in CACHE (one per kestrel version, CPU and torch that ran here lately): the most recently used."""
 
 
 @cache
@@ -93,11 +96,27 @@ def _build(isa_flags: list[str]) -> Path:
     key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
                          + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:16]
     target = CACHE / f"kestrel_cpu-{key}.so"
-    if not target.exists():
+    if target.exists():
+        with contextlib.suppress(OSError):      # marks it used (for prune); a read-only shared cache is fine
+            os.utime(target)
+    else:
         CACHE.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         compiler = os.environ.get("CXX", "c++")
         subprocess.run([compiler, *map(str, SOURCES), "-o", str(partial), *flags], check=True, capture_output=True,
                        text=True)
         partial.replace(target)
+        prune(CACHE, KEEP)
     return target
+
+
+def prune(cache: Path, keep: int) -> None:
+    """Remove all but the `keep` most recently used (modified) libraries from cache; builds under way (their
+    temporary names) stay. A process that loaded a removed library keeps its mapping."""
+    used = {}
+    for library in cache.glob("kestrel_cpu-*.so"):
+        with contextlib.suppress(OSError):          # another process's prune may remove it first
+            used[library] = library.stat().st_mtime
+    for old in sorted(used, key=used.get, reverse=True)[keep:]:
+        with contextlib.suppress(OSError):
+            old.unlink()

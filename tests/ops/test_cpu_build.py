@@ -1,7 +1,7 @@
 """kestrel.ops.cpu's build: where the C++ compiler is missing or fails, load() logs why and returns False, so that
 callers take their torch paths (the kernels' results are tested with their ops: test_moe_experts,
 test_kda_state_step, test_linear_rows), and the cache holds no partial library; a build for AVX2 passes the kernel
-tests too; a build leaves the most recently used libraries only."""
+tests too; prune, which a build runs, leaves the most recently used libraries only."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_the_avx2_build_computes_the_same() -> None:
     assert " passed" in result.stdout and " skipped" not in result.stdout
 
 
-def test_a_build_keeps_the_most_recently_used_libraries(tmp_path) -> None:
+def test_prune_keeps_the_most_recently_used_libraries_and_builds_under_way(tmp_path) -> None:
     libraries = [tmp_path / f"kestrel_cpu-{i:016x}.so" for i in range(5)]
     for age, library in enumerate(libraries):          # libraries[0] the most recently used
         library.write_bytes(b"")

@@ -7,8 +7,10 @@ Bad input exits with status 2 and one sentence on stderr.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +43,33 @@ class UsageError(ValueError):
     """Bad command-line input."""
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds each flag's default to its help, except where there is none to show (None, a switch's False, an empty
+    list): there the help says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool) or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class KestrelParser(argparse.ArgumentParser):
+    """An argument parser whose help shows defaults; subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0abfnrtv\\'\"])")
+
+
+def unescape(text: str) -> str:
+    """text with Python's backslash escapes (\\n, \\t, \\\\, \\xNN, \\uNNNN, ...) replaced by the characters they name;
+    any other character, non-ASCII ones and unknown escapes included, as it is."""
+    return ESCAPE.sub(lambda m: codecs.decode(m[0], "unicode_escape"), text)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -61,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description="Serve and study the Kimi K3 model family.")
+    parser = KestrelParser(prog="kestrel", description="Serve and study the Kimi K3 model family.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="parameter counts, active parameters and memory, from config.json alone")
@@ -76,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("random-model", help="write a checkpoint with random weights (for trying the stack)")
     p.add_argument("config", help=f"a preset ({', '.join(PRESETS)}) or a config.json / model folder")
     p.add_argument("--out", required=True, type=Path, help="folder to write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the weights written")
     p.set_defaults(run=_random_model)
 
     p = sub.add_parser("quantize-experts", help="write a copy of a checkpoint with MXFP4 routed experts")
@@ -96,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_generate)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     ServerOptions.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(run=_serve)
@@ -206,20 +235,28 @@ def _quantize_experts(args: argparse.Namespace) -> int:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (vLLM's SamplingParams)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per completion")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this "
+                                                             "much probability")
+    g.add_argument("--top-k", type=int, default=0, help="sample among this many most likely tokens; 0 is all")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one's")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalizes tokens already in the prompt or "
+                                                                         "output; 1 is off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from the logits of tokens "
+                                                                       "already generated")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence from the logits "
+                                                                        "of tokens already generated")
+    g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling (default: "
+                                                          "--random-seed's stream)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None, type=unescape,
+                   help="a stop string, with backslash escapes as in Python ('\\n' is a newline, '\\\\' a "
+                        "backslash); repeatable")
+    g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end a completion")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--logprobs", type=int, default=None, help="logprobs of this many alternatives per token "
+                                                              "(vLLM's logprobs)")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:

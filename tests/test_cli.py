@@ -1,13 +1,15 @@
-"""The command line: inspect output, random checkpoints, greedy generation, and exit status 2 on bad input."""
+"""The command line: inspect output, random checkpoints, greedy generation, stop-string escapes, help for every flag,
+and exit status 2 on bad input."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 import torch
 
-from kestrel.cli import main
+from kestrel.cli import _parser, main
 from kestrel.models.checkpoint import load_model
 from helpers import greedy_generate
 
@@ -70,3 +72,45 @@ def test_bad_generate_input(tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kestrel generate:")]
     assert len(errors) == 4
     assert "integers in [0, 256)" in errors[1] and "no tokenizer.json" in errors[2] and "temperature" in errors[3]
+
+
+def test_stop_strings_take_backslash_escapes():
+    """`--stop "\\n"` as a shell passes it (a backslash and an n) is a newline; an escaped backslash stays one."""
+    args = _parser().parse_args(["generate", "--prompt", "x", "--stop", "\\n", "--stop", "a\\\\nb", "--stop", "é\\t"])
+    assert args.stop == ["\n", "a\\nb", "é\t"]
+
+
+def test_generate_stops_at_a_newline_written_as_backslash_n(capsys):
+    """The bundled model's greedy continuation, generated again with `--stop "\\n"`, ends before its first newline."""
+    argv = ["generate", "--prompt", "ROMEO.\nBut soft, what light", "--max-tokens", "12", "--dtype", "float32"]
+    assert main(argv) == 0
+    full = capsys.readouterr().out.removesuffix("\n")
+    assert "\n" in full
+    assert main([*argv, "--stop", "\\n"]) == 0
+    assert capsys.readouterr().out == full.split("\n")[0] + "\n"
+
+
+COOKBOOK_COMMANDS = {"plan", "recipe", "verify", "matrix", "site"}
+"""Left out: their flags (kestrel/cookbook/cli.py) do not all have help yet."""
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser, path: str = "kestrel"):
+    """(command path, parser) of every subcommand below parser, nested ones included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if name not in COOKBOOK_COMMANDS:
+                    yield f"{path} {name}", sub
+                    yield from subcommand_parsers(sub, f"{path} {name}")
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    """Every flag and positional of every subcommand says what it is; --help shows defaults that have a value."""
+    parsers = dict(subcommand_parsers(_parser()))
+    assert {"kestrel serve", "kestrel generate", "kestrel bench serve", "kestrel eval perplexity"} <= set(parsers)
+    missing = [(path, action.dest) for path, p in parsers.items() for action in p._actions
+               if not isinstance(action, argparse._SubParsersAction) and not (action.help or "").strip()]
+    assert missing == []
+    serve_help = " ".join(parsers["kestrel serve"].format_help().split())
+    assert "tokens per KV page (default: 16)" in serve_help and "HTTP port (default: 8000)" in serve_help
+    assert "(default: None)" not in serve_help and "(default: False)" not in serve_help

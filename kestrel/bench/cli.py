@@ -5,13 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
+from ..engine.args import BUNDLED_MODEL
 from .agentic import AgenticShape
 from .client import server_info
 from .evals import DATA, EvalClient, choice, generate, perplexity, read_tasks
 from .runner import RunConfig, run_sweep
+
+HELDOUT_SAMPLE = BUNDLED_MODEL / "heldout_sample.txt"
+"""The default text of `kestrel eval perplexity`: the bundled model's held-out sample (its model card's)."""
+FILE_HELP = {
+    "perplexity": "text to score; the default is the bundled model's held-out sample (Macbeth from the start of Act "
+                  "I), on which its model card measures 71.94",
+    "choice": 'JSONL tasks {"context", "choices", "answer"}; the default holds ten sample items, for smoke runs',
+    "generate": 'JSONL tasks {"prompt", "answer"}; the default holds eight sample word problems, for smoke runs',
+}
 
 
 def add_commands(sub) -> None:
@@ -20,17 +31,20 @@ def add_commands(sub) -> None:
 
     p = bench_sub.add_parser("serve", help="run a workload at one or more concurrencies")
     _server_args(p)
-    p.add_argument("--workload", choices=["random", "agentic", "file"], default="random")
+    p.add_argument("--workload", choices=["random", "agentic", "file"], default="random",
+                   help="random: filler text of exact token lengths; agentic: AgentX-shaped chat sessions; file: "
+                        "--file's prompts")
     p.add_argument("--num-prompts", type=int, default=64, help="requests to measure (agentic: a cap)")
     p.add_argument("--max-concurrency", default="1", help="one value or a comma-separated sweep, e.g. 1,4,16")
     p.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
     p.add_argument("--duration", type=float, default=None, help="stop dispatching after this many seconds")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests (not measured)")
-    p.add_argument("--num-gpus", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs the server uses (for the per-GPU throughputs)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random and agentic workloads; each concurrency "
+                                                       "level draws its own prompts from it and the level")
+    p.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="random, file: output tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths drawn from [L(1-r), L(1+r)]")
     p.add_argument("--file", type=Path, default=None, help="JSONL prompts for --workload file")
     p.add_argument("--sessions", type=int, default=16, help="agentic: sessions to generate")
     p.add_argument("--turns-median", type=int, default=6, help="agentic: median main-agent turns")
@@ -41,27 +55,32 @@ def add_commands(sub) -> None:
     p.set_defaults(run=_bench_serve)
 
     p = bench_sub.add_parser("card", help="Markdown card and PNG plots from result JSONs")
-    p.add_argument("results", nargs="+", type=Path)
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("results", nargs="+", type=Path, help="result JSONs of `kestrel bench serve`")
+    p.add_argument("--output", type=Path, required=True, help="folder for card.md and the plots")
     p.add_argument("--hardware", required=True, help="what the server ran on, e.g. '2-core x86 CPU'")
     p.add_argument("--recipe", required=True, help="how the server was launched")
     p.set_defaults(run=_bench_card)
 
     evals = sub.add_parser("eval", help="accuracy evals through the completions API")
     eval_sub = evals.add_subparsers(dest="eval_command", required=True)
-    for name, default, helptext in (("perplexity", DATA / "perplexity_sample.txt", "perplexity of a text file"),
+    for name, default, helptext in (("perplexity", HELDOUT_SAMPLE, "perplexity of a text file"),
                                     ("choice", DATA / "choice_sample.jsonl", "multiple choice by log-likelihood"),
                                     ("generate", DATA / "generate_sample.jsonl", "exact-match generation tasks")):
         p = eval_sub.add_parser(name, help=helptext)
         _server_args(p)
-        p.add_argument("--file", type=Path, default=default)
+        p.add_argument("--file", type=Path, default=default, help=FILE_HELP[name])
         p.set_defaults(run=_eval)
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+
+
+def _quiet_http_log() -> None:
+    """Keep httpx's INFO line per request out of the progress bars and results."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -71,6 +90,7 @@ def _model(args: argparse.Namespace) -> str:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    _quiet_http_log()
     try:
         concurrencies = [int(c) for c in args.max_concurrency.split(",")]
     except ValueError:
@@ -99,6 +119,7 @@ def _bench_card(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    _quiet_http_log()
     client = EvalClient(args.base_url, _model(args), args.api_key)
     if args.eval_command == "perplexity":
         try:

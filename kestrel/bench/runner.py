@@ -1,6 +1,10 @@
 """Running a benchmark: closed loop (a concurrency cap) or open loop (Poisson arrivals), warm-up, a request or
 time bound, agentic lanes that replay sessions; one result per concurrency, as JSON plus a Markdown summary, each
-with the server's prefix-cache hit rate next to the workload's theoretical maximum (prefix.py)."""
+with the server's prefix-cache hit rate next to the workload's theoretical maximum (prefix.py).
+
+Each concurrency level of the random and agentic workloads sends prompts of its own (seeded by the run's seed and
+the level): the server's prefix cache still holds the earlier levels' prompts, so levels sharing prompts would
+measure cache hits the maximum does not count, and a time to first token the workload does not have."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -139,6 +143,11 @@ def result_document(config: RunConfig, run: dict, workload: dict, command: list[
             "requests": [asdict(r) for r in run["records"]]}
 
 
+def level_seed(seed: int, concurrency: int) -> int:
+    """The seed of one concurrency level's prompts, drawn from the run's seed and the level."""
+    return random.Random(f"{seed}/c{concurrency}").getrandbits(32)
+
+
 def run_sweep(config: RunConfig, concurrencies: list[int], output: Path, command: list[str], *, input_len: int,
               output_len: int, range_ratio: float, file: Path | None, shape: AgenticShape, think_scale: float,
               progress: bool = True) -> list[Path]:
@@ -148,14 +157,16 @@ def run_sweep(config: RunConfig, concurrencies: list[int], output: Path, command
     for concurrency in concurrencies:
         run_config = RunConfig(**{**asdict(config), "concurrency": concurrency})
         before = asyncio.run(server_info(config.base_url, config.api_key))
+        seed = level_seed(config.seed, concurrency)
         if config.workload == "agentic":
-            corpus = sessions(shape)
-            workload = {"name": "agentic", "shape": asdict(shape), "think_scale": think_scale,
+            level_shape = replace(shape, seed=seed)
+            corpus = sessions(level_shape)
+            workload = {"name": "agentic", "shape": asdict(level_shape), "think_scale": think_scale,
                         "generated": describe(corpus)}
             run = asyncio.run(run_agentic(run_config, corpus, think_scale, progress))
         else:
             if config.workload == "random":
-                generator = RandomWorkload(input_len, output_len, range_ratio, config.seed)
+                generator = RandomWorkload(input_len, output_len, range_ratio, seed)
                 specs = generator.requests(config.num_prompts + config.warmup, config.base_url, config.api_key)
                 workload = {"name": "random", **asdict(generator)}
             else:
@@ -167,11 +178,13 @@ def run_sweep(config: RunConfig, concurrencies: list[int], output: Path, command
         path = output / f"{config.workload}-c{concurrency}.json"
         path.write_text(json.dumps(document, indent=1))
         written.append(path)
-    (output / "summary.md").write_text(summary_markdown([json.loads(p.read_text()) for p in written]))
+    notes = [_prompts_note(config.workload)] if len(written) > 1 else []
+    (output / "summary.md").write_text(summary_markdown([json.loads(p.read_text()) for p in written], notes))
     return written
 
 
-def summary_markdown(results: list[dict]) -> str:
+def summary_markdown(results: list[dict], notes: list[str] = ()) -> str:
+    """The results' table, then any failures and the given notes (Markdown list items)."""
     rows = ["| workload | concurrency | completed | failed | req/s | output tok/s | total tok/s/GPU | "
             "TTFT median ms | TPOT median ms | ITL p90 ms | AgentX tok/s/GPU | p90 interactivity tok/s | "
             "prefix hit % (server) | prefix hit % (max) | acceptance length |",
@@ -187,8 +200,16 @@ def summary_markdown(results: list[dict]) -> str:
                     f"{'-' if interactivity is None else f'{interactivity:.1f}'} | {_hit_rates(r)} | "
                     f"{_acceptance(r)} |")
     failures = {k: v for r in results for k, v in r["metrics"]["failure_reasons"].items()}
-    notes = [f"- failures: {failures}"] if failures else []
+    notes = ([f"- failures: {failures}"] if failures else []) + list(notes)
     return "\n".join(["# Benchmark summary", "", *rows, "", *notes]) + "\n"
+
+
+def _prompts_note(workload: str) -> str:
+    """A sweep summary's line on whether its levels sent prompts of their own (see the module's docstring)."""
+    if workload == "file":
+        return ("- every concurrency level sent the file's prompts: after the first, the server's prefix cache "
+                "holds them from earlier levels, so hits can pass the maximum and TTFT is that of cached prompts")
+    return "- each concurrency level sent prompts of its own, seeded by --seed and the level"
 
 
 def _acceptance(result: dict) -> str:

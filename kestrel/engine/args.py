@@ -19,6 +19,61 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
 """The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 MODEL_DRAFTERS = ("NEXTN", "DFLASH")
 """The speculative algorithms whose drafters read the target's final hidden states."""
+HELP = {
+    "model": "model folder",
+    "dtype": "weights and activations: auto (the checkpoint's), float32 or bfloat16",
+    "device": "cpu or cuda",
+    "mem_fraction_static": "share of the device's memory for the weights and both pools (default: 0.85 on CUDA, "
+                           "0.1 of RAM on CPU)",
+    "mamba_full_memory_ratio": "split of the memory the weights leave, as KDA state : KV",
+    "max_mamba_cache_size": "KDA state slots (default: sized by --mamba-full-memory-ratio)",
+    "max_total_tokens": "cap on the KV pool, in tokens (default: what memory allows)",
+    "mamba_ssm_dtype": "KDA recurrent state: float32 or bfloat16",
+    "kv_cache_dtype": "MLA latent cache: auto (the model's dtype), bfloat16 or fp8_e4m3",
+    "max_running_requests": "most sequences decoding at once (default: what the pools allow)",
+    "page_size": "tokens per KV page",
+    "context_length": "longest sequence (default: the model's max_position_embeddings)",
+    "max_prompt_tokens": "longer prompts are refused (default: the context length)",
+    "chunked_prefill_size": "most prompt tokens of one request per step",
+    "max_prefill_tokens": "most tokens (prefill and decode) in one step",
+    "random_seed": "seeds the sampling of requests that set no seed of their own",
+    "attention_backend": "MLA decode and the indexer: auto (Triton on CUDA), torch or triton",
+    "moe_backend": "routed experts: auto, torch or triton",
+    "kda_backend": "KDA decode and prefill over the state pool: auto, torch or triton",
+    "norm_backend": "AttnRes mix + RMSNorm: auto, torch or triton",
+    "moe_mxfp8_activations": "round routed-expert GEMM inputs to MXFP8 (W4A8, as K3's QAT)",
+    "moe_dense_experts": "CPU: keep a dense copy of MXFP4 experts: none, bfloat16 or float32",
+    "moe_onednn_experts": "CPU: hold float32 experts again in oneDNN's packed layout (+4 B per weight)",
+    "disable_radix_cache": "prefix caching off: every prompt computed from its first token",
+    "mamba_scheduler_strategy": "where prefix-cache KDA state snapshots are taken: no_buffer or extra_buffer",
+    "mamba_track_interval": "extra_buffer: a snapshot every this many decode tokens",
+    "enable_hierarchical_cache": "evicted prefix-cache entries spill to host memory, then storage",
+    "hicache_ratio": "host tier size as a multiple of the device caches",
+    "hicache_size": "host tier size in GB; above 0 it overrides --hicache-ratio",
+    "hicache_storage_backend": "third tier: none or file",
+    "hicache_storage_dir": "the file backend's directory",
+    "tp_size": "tensor parallelism: ranks per model replica",
+    "ep_size": "expert parallelism over the TP ranks",
+    "dp_size": "data parallelism: instances behind SGLang's router, or attention groups with --enable-dp-attention",
+    "enable_dp_attention": "split attention and its caches into --dp-size groups of the TP ranks",
+    "dcp_size": "decode context parallelism: ranks of a TP group splitting the MLA cache by position",
+    "pp_size": "pipeline stages",
+    "nnodes": "machines one instance runs on",
+    "node_rank": "this machine's index among --nnodes",
+    "dist_init_addr": "HOST:PORT of rank 0's rendezvous (several machines)",
+    "speculative_algorithm": "none, NGRAM (earlier tokens), NEXTN (the MTP layer), DFLASH (a block draft), DSPARK "
+                             "or STANDALONE (a smaller model sharing the tokenizer)",
+    "speculative_num_draft_tokens": "draft tokens verified per step",
+    "speculative_disable_by_batch_size": "draft only while at most this many sequences run (default: always)",
+    "speculative_draft_min_confidence": "DFLASH: cut blocks where the drafts' probability product falls below this",
+    "speculative_draft_model_path": "DFLASH, DSPARK: the draft's folder; STANDALONE: the draft model's",
+    "speculative_token_map": "NEXTN, DFLASH: a file of token ids the drafts are chosen among (FR-Spec)",
+    "disable_cuda_graph": "decode eagerly even where CUDA graphs could replay it",
+    "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph (bigger ones run eagerly)",
+    "enable_torch_compile": "CPU: compile decode steps and the KDA prefill's chunk terms with torch.compile",
+    "torch_compile_max_bs": "largest decode batch run compiled (bigger ones run eagerly)",
+}
+"""The one-line --help of each engine flag (EngineArgs' fields)."""
 
 
 @dataclass
@@ -165,12 +220,11 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             kind = {"int | None": int, "float | None": float, "int": int, "float": float}.get(str(f.type), str)
             if f.type == "bool":
-                parser.add_argument(flag, action="store_true")
+                parser.add_argument(flag, action="store_true", help=HELP[f.name])
             elif f.name == "model":
-                parser.add_argument(flag, default=str(BUNDLED_MODEL), help="model folder (default: the bundled "
-                                                                            "k3.1-tiny)")
+                parser.add_argument(flag, default=str(BUNDLED_MODEL), help=HELP[f.name])
             else:
-                parser.add_argument(flag, type=kind, default=f.default)
+                parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
 
     def dp_group_args(self) -> EngineArgs:
         """The arguments one DP attention group's pools are planned from: --max-running-requests and

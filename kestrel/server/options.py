@@ -55,27 +55,29 @@ class ServerOptions:
         parser.add_argument("--served-model-name", default=None,
                             help="the model name clients use (default: --model; k3.1-tiny for the bundled model)")
         parser.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                            help="require 'Authorization: Bearer KEY' (repeat for several keys)")
+                            help="require 'Authorization: Bearer KEY' (repeat for several keys; default: no "
+                                 "authentication)")
         parser.add_argument("--max-queued-requests", type=int, default=None,
-                            help="answer 429 beyond this many requests waiting to run")
+                            help="answer 429 beyond this many requests waiting to run (default: no limit)")
         parser.add_argument("--max-concurrent-requests-per-key", type=int, default=None,
-                            help="answer 429 to an API key beyond this many open generation requests")
+                            help="answer 429 to an API key beyond this many open generation requests (default: no "
+                                 "limit)")
         parser.add_argument("--request-timeout", type=float, default=None,
-                            help="abort a request this many seconds after it arrives (answered 408)")
+                            help="abort a request this many seconds after it arrives, answered 408 (default: never)")
         parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                            help="seconds SIGTERM lets running requests finish before aborting them (default 30)")
+                            help="seconds SIGTERM lets running requests finish before aborting them")
         pd = parser.add_argument_group("prefill/decode disaggregation (SGLang's flags; front with "
                                        "sglang_router.launch_router --pd-disaggregation)")
         pd.add_argument("--disaggregation-mode", choices=DISAGGREGATION_MODES, default="null",
                         help="null: prefill and decode here; prefill: compute prompts and hand them to decode "
                              "instances; decode: continue prompts handed over by prefill instances")
         pd.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
-                        help="prefill: the port decode instances fetch handed-off requests from (default 8998)")
+                        help="prefill: the port decode instances fetch handed-off requests from")
         pd.add_argument("--disaggregation-transfer-backend", default="tcp",
                         help="how the caches move: tcp (NIXL and Mooncake are not supported)")
         pd.add_argument("--disaggregation-timeout", type=float, default=300.0,
                         help="seconds either side waits for the other half of a handoff before failing the "
-                             "request (default 300)")
+                             "request")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, model_name: str) -> ServerOptions:

@@ -9,6 +9,7 @@ import httpx
 
 from kestrel.bench.prefix import HIT, QUERIED, metric, prefix_cache_report, theoretical_hits
 from kestrel.bench.speculative import speculative_report
+from kestrel.bench.workloads import RandomWorkload
 from kestrel.cli import main
 
 A = list(range(20, 32))                       # 12 tokens
@@ -67,3 +68,26 @@ def test_speculative_report_is_the_metrics_delta():
     assert report == {"verifications": 20, "draft_tokens": 80, "accepted_tokens": 30, "acceptance_length": 2.5}
     assert speculative_report(text(3.0, 9.0, 1.0), text(3.0, 9.0, 1.0))["acceptance_length"] is None
     assert speculative_report("other 1\n", text(1.0, 1.0, 1.0)) is None
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_each_concurrency_level_sends_its_own_prompts(live, tmp_path):
+    """A sweep's levels send different prompts. Random filler text has no designed shared prefix, so a level's
+    prompts (rebuilt from the seed its result records) start with at most a word or two of another level's, and the
+    server serves no level from an earlier one's cached prompts: its hits stay within the level's own maximum."""
+    out = tmp_path / "results"
+    assert main(["bench", "serve", "--base-url", live.url, "--output", str(out), "--workload", "random",
+                 "--num-prompts", "3", "--max-concurrency", "1,2", "--input-len", "24", "--output-len", "2",
+                 "--seed", "5"]) == 0
+    results = [json.loads((out / f"random-c{c}.json").read_text()) for c in (1, 2)]
+    prompts = [[spec.body["prompt"] for spec in RandomWorkload(**{k: v for k, v in r["workload"].items()
+                                                                  if k != "name"}).requests(4, live.url)]
+               for r in results]
+    assert max(lcp(a, b) for a in prompts[0] for b in prompts[1]) <= 2         # a word or two, by chance
+    for r in results:
+        cache = r["prefix_cache"]
+        assert cache["server"]["hit_tokens"] <= cache["theoretical"]["cacheable_tokens"]
+    assert "each concurrency level sent prompts of its own" in (out / "summary.md").read_text()

@@ -8,6 +8,7 @@ specification, eval scores from the served checkpoint run directly (its forward 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,13 @@ from kestrel.bench.agentic import AgenticShape, Chain, sessions
 from kestrel.bench.evals import DATA, EvalClient, choice, extract_answer, generate, perplexity, read_tasks
 from kestrel.bench.workloads import RandomWorkload
 from kestrel.cli import main
+from kestrel.engine.args import BUNDLED_MODEL
 from kestrel.layers.batch import ForwardBatch
 from kestrel.models.checkpoint import load_model
 from kestrel.models.kimi import KimiForCausalLM
 from server_helpers import MODEL_NAME
+
+HELDOUT_SAMPLE = BUNDLED_MODEL / "heldout_sample.txt"      # the bundled model's card measures its perplexity on it
 
 
 def bench(live, tmp_path, *args) -> list[dict]:
@@ -36,14 +40,17 @@ def bench(live, tmp_path, *args) -> list[dict]:
 
 def test_random_workload_is_token_exact_and_sweeps(live, tmp_path):
     """Every measured request is answered with exactly the prompt and output lengths the workload specified
-    (the server's usage counts against the generated specs; the first spec is the warm-up)."""
+    (the server's usage counts against the specs generated from each level's recorded workload; the first spec is
+    the warm-up)."""
     results = bench(live, tmp_path, "--workload", "random", "--num-prompts", "6", "--max-concurrency", "1,3",
                     "--input-len", "40", "--output-len", "5", "--range-ratio", "0.5")
-    specs = RandomWorkload(input_len=40, output_len=5, range_ratio=0.5, seed=0).requests(7, live.url)[1:]
-    expected = sorted((len(s.body["prompt"]), s.body["max_tokens"]) for s in specs)
-    assert all(20 <= n <= 60 and 2 <= out <= 7 for n, out in expected)
     assert [r["config"]["concurrency"] for r in results] == [1, 3]
     for r in results:
+        assert {k: r["workload"][k] for k in ("input_len", "output_len", "range_ratio")} == \
+            {"input_len": 40, "output_len": 5, "range_ratio": 0.5}
+        specs = RandomWorkload(**{k: v for k, v in r["workload"].items() if k != "name"}).requests(7, live.url)[1:]
+        expected = sorted((len(s.body["prompt"]), s.body["max_tokens"]) for s in specs)
+        assert all(20 <= n <= 60 and 2 <= out <= 7 for n, out in expected)
         assert (r["metrics"]["completed"], r["metrics"]["failed"], r["partial"]) == (6, 0, False)
         assert sorted((q["prompt_tokens"], q["output_tokens"]) for q in r["requests"]) == expected
         assert "kestrel_requests_total" in r["server_after"]["metrics"]
@@ -99,7 +106,9 @@ def test_agentic_run(live, tmp_path):
     (result,) = bench(live, tmp_path, "--workload", "agentic", "--sessions", "3", "--turns-median", "3",
                       "--length-scale", "1024", "--think-scale", "0.01", "--max-concurrency", "2",
                       "--num-prompts", "4", "--max-context", "2048")
-    corpus = sessions(AgenticShape(sessions=3, turns_median=3, length_scale=1024, max_context=2048, seed=0))
+    shape = AgenticShape(**result["workload"]["shape"])
+    assert shape == AgenticShape(sessions=3, turns_median=3, length_scale=1024, max_context=2048, seed=shape.seed)
+    corpus = sessions(shape)
     available = sum(chain_requests(s.main) for s in corpus)
     assert available > 4                                    # so the cap, not the corpus, ends the run
     assert (result["metrics"]["completed"], result["metrics"]["failed"]) == (4, 0)
@@ -152,14 +161,39 @@ def reference(bench_model_folder: Path) -> Reference:
 
 
 def test_perplexity_eval_equals_a_direct_forward_pass(live, reference):
-    """Oracle: exp of the mean negative log-likelihood from one forward pass of the checkpoint (the sample is one
+    """Oracle: exp of the mean negative log-likelihood from one forward pass of the checkpoint (the text is one
     window: far shorter than the context)."""
-    ids = reference.encode((DATA / "perplexity_sample.txt").read_text())
+    text = HELDOUT_SAMPLE.read_text()[:400]
+    ids = reference.encode(text)
     logprobs = reference.token_logprobs(ids)
     assert 2 < len(ids) < 512
     expected = {"tokens": len(ids) - 1, "perplexity": pytest.approx(math.exp(-sum(logprobs) / len(logprobs)),
                                                                     rel=1e-5)}
-    assert perplexity(EvalClient(live.url, MODEL_NAME), (DATA / "perplexity_sample.txt").read_text()) == expected
+    assert perplexity(EvalClient(live.url, MODEL_NAME), text) == expected
+
+
+def test_perplexity_eval_scores_the_model_cards_held_out_sample_by_default(live, capsys):
+    """Without --file, `kestrel eval perplexity` scores the bundled model's held-out sample (the text its model card
+    measures) and names it in its output."""
+    assert main(["eval", "perplexity", "--base-url", live.url]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["file"] == str(HELDOUT_SAMPLE)
+    assert {k: result[k] for k in ("tokens", "perplexity")} == \
+        perplexity(EvalClient(live.url, MODEL_NAME), HELDOUT_SAMPLE.read_text())
+
+
+@pytest.mark.parametrize("command", ["bench", "eval"])
+def test_requests_are_not_logged(live, tmp_path, caplog, command):
+    """httpx's INFO line per request stays out of bench and eval output (it would interleave with the progress
+    bar), whatever level its logger had."""
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be")
+    argv = {"bench": ["bench", "serve", "--num-prompts", "1", "--warmup", "0", "--input-len", "8", "--output-len", "2",
+                      "--output", str(tmp_path / "results")],
+            "eval": ["eval", "perplexity", "--file", str(text)]}[command]
+    caplog.set_level(logging.INFO, logger="httpx")
+    assert main([*argv, "--base-url", live.url]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("httpx")] == []
 
 
 def test_choice_eval_equals_direct_log_likelihoods(live, reference):

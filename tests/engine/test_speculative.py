@@ -178,16 +178,24 @@ def test_preemption_n_and_the_prefix_cache_with_speculation(model_dir, plain, or
     assert [c.token_ids for c in forked.outputs] == [expected[2][:12]] * 3
 
 
-def test_an_abort_between_verifications_frees_everything(model_dir, oracle):
+def test_an_abort_between_verifications_frees_everything_and_later_requests_decode_as_alone(model_dir, plain,
+                                                                                             oracle):
+    """A request aborted between verifications: its memory is free at once, and later requests, one with its prompt
+    (from the prefix cache) and one another, decode (and speculate) as each does alone on a plain engine."""
     llm = spec_llm(model_dir)
     engine = llm.engine
     engine.add_request("a", PROMPTS[0], greedy(30))
     for _ in range(4):
         engine.step()
-    assert engine.spec_stats.verifications > 0
+    verified = engine.spec_stats.verifications
+    assert verified > 0
     held = sum(s.token_states.recurrent.nbytes + s.token_states.conv.nbytes for s in engine.cache.kda)
     assert 0 < held <= engine.plan.verify_bytes            # the per-token states fit what the plan reserved
     engine.abort_request("a")
+    assert_idle(engine.scheduler)
+    later = [PROMPTS[0], PROMPTS[2]]
+    assert answers(llm, later, greedy(20)) == [answers(plain, [p], greedy(20))[0] for p in later]
+    assert engine.scheduler.prefix_cache.stats.hits > 0 and engine.spec_stats.verifications > verified
     assert_idle(engine.scheduler)
 
 

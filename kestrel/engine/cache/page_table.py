@@ -34,6 +34,11 @@ class PageTable:
         """Write the changes recorded since the last flush."""
         self.apply(self.take())
 
+    def write_ahead(self) -> None:
+        """Write the changes recorded since the last flush now, keeping them recorded: the next take() still hands
+        them to the other ranks (writing a change twice changes nothing)."""
+        self.apply(self._pending)
+
     def take(self) -> list[int]:
         """The changes recorded since the last flush, as flattened (slot, column, page) triples, now cleared (a
         distributed engine sends them to the other ranks, which apply() them to their own tables)."""

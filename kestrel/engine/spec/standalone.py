@@ -62,6 +62,7 @@ class StandaloneDrafter:
                 todo.append((i, seq, track, end))
         if not todo:
             return drafts
+        self.page_table.write_ahead()     # a fork's pages, a handed-over sequence's: recorded after the last step
         logits = self._forward([(seq.slot, t.valid, seq.tokens(t.valid, end)) for _, seq, t, end in todo])
         going = []
         for (i, seq, track, end), row in zip(todo, logits):

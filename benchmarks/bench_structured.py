@@ -51,7 +51,7 @@ DOCUMENT = json.dumps({
     "attention": ["KDA", "gated MLA"], "ratio": 0.75, "mxfp4": True, "note": "héllo, 世界 🙂",
     "items": [{"id": i, "value": i * 1.5, "label": f"item {i}"} for i in range(3)],
 }, indent=2, ensure_ascii=False)
-JSON_OBJECT = StructuredOutputsParams(json_object=True)
+JSON_OBJECT = StructuredOutputsParams(json_object=True, disable_any_whitespace=False)     # DOCUMENT is indented
 
 
 def old_json_mode() -> types.ModuleType:

@@ -26,10 +26,11 @@ How it runs:
   is set where token t may come next; end-of-sequence tokens only where the grammar accepts the text.
   `advance(token)` consumes the sampled token. `apply_token_bitmasks` puts the masks on the logits' device.
 
-JSON (json_object and json schemas): RFC 8259 with any whitespace between items, at most MAX_SPACE characters in
-a row (so a model cannot stall in whitespace), or none at all with `disable_any_whitespace` (vLLM's option: `,` and
-`:` alone); `\\uXXXX` escapes for any code point; strings hold any character raw but DEL (U+007F, which
-llguidance wants escaped); the text starts with the value itself.
+JSON (json_object and json schemas): RFC 8259 without whitespace between items (`,` and `:` alone, as xgrammar's
+`any_whitespace=False` and llguidance's non-flexible whitespace write it), since a small model given free whitespace
+fills it up to max_tokens; `disable_any_whitespace=False` (vLLM's option, and vLLM's default) allows any whitespace
+between items, at most MAX_SPACE characters in a row. `\\uXXXX` escapes for any code point; strings hold any
+character raw but DEL (U+007F, which llguidance wants escaped); the text starts with the value itself.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from .tokenizer import Tokenizer
 
 MAX_SPACE = 20
 SPECIAL_MARKER = b"\xff"      # how llguidance marks a special token's bytes (never valid UTF-8)
-JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_SPACE}}}",
-                "json_allow_general_unicode_escapes": True}
+FLEXIBLE_JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_SPACE}}}",
+                         "json_allow_general_unicode_escapes": True}
 COMPACT_JSON_OPTIONS = {"whitespace_flexible": False, "json_allow_general_unicode_escapes": True}
 _KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar"}
 
@@ -62,14 +63,15 @@ class StructuredOutputsParams:
 
     json: a JSON schema (an object, or its JSON text); json_object: any JSON object; regex: a regular expression
     the whole output matches (Rust regex syntax, as vLLM's guidance backend); grammar: an EBNF grammar, in GBNF
-    (`root ::= ...`, llama.cpp's and SGLang's) or Lark syntax. disable_any_whitespace: JSON without whitespace.
+    (`root ::= ...`, llama.cpp's and SGLang's) or Lark syntax. disable_any_whitespace: JSON without whitespace
+    between items (the default here, unlike vLLM); False allows up to MAX_SPACE whitespace characters per gap.
     """
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in _KINDS if getattr(self, name) not in (None, False)]
@@ -268,7 +270,7 @@ class _TokenizerView:
 def _compile(constraint: StructuredOutputsParams, vocabulary: _Vocabulary) -> CompiledGrammar:
     """A ValueError of one sentence when the constraint is not a valid one of its kind."""
     name = _KINDS[constraint.kind]
-    options = COMPACT_JSON_OPTIONS if constraint.disable_any_whitespace else JSON_OPTIONS
+    options = COMPACT_JSON_OPTIONS if constraint.disable_any_whitespace else FLEXIBLE_JSON_OPTIONS
     try:
         if constraint.kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)

@@ -20,7 +20,8 @@ Bundled dialect (after `<|open|>tool_call name="`, and after `NAME"<|sep|>` when
     NAME"<|sep|> JSON <|close|>tool_call<|sep|> <|close|>message<|sep|>
 
 the arguments as one JSON object valid for the parameters schema, its properties in the schema's order (as
-llguidance writes JSON objects).
+llguidance writes JSON objects); properties not declared are not written here either, unless the schema states
+`additionalProperties` (a small model otherwise invents keys until max_tokens).
 
 A forced reply holds one call.
 """
@@ -56,7 +57,7 @@ def forced_call(tools: list[Tool], name: str | None, bundled: bool) -> Structure
 
 def _bundled_call(tool: Tool, named: bool) -> str:
     head = "" if named else _literal(f'{tool.function.name}"') + " <|sep|> "
-    return f"{head}%json {_json_schema(_parameters(tool))} {_END_BUNDLED}"
+    return f"{head}%json {_json_schema({'additionalProperties': False, **_parameters(tool)})} {_END_BUNDLED}"
 
 
 def _k3_call(tool: Tool, index: int, named: bool, rules: list[str]) -> str:

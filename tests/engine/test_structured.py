@@ -31,6 +31,7 @@ VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=10)
 OBJECTS = st.dictionaries(RAW_TEXT, VALUES, max_size=4)
 JSON_OBJECT = StructuredOutputsParams(json_object=True)
+FLEXIBLE_JSON_OBJECT = StructuredOutputsParams(json_object=True, disable_any_whitespace=False)
 EOS = 256                                   # the byte vocabulary's end-of-sequence token, after the 256 bytes
 
 SCHEMAS = [
@@ -103,17 +104,18 @@ def complete(matcher: GrammarMatcher) -> bool:
 @given(OBJECTS, st.sampled_from([None, 1, 2]), st.booleans())
 def test_every_prefix_of_a_json_object_is_accepted_and_only_the_whole_is_complete(byte_grammars, obj, indent,
                                                                                   ascii_only):
-    data = json.dumps(obj, indent=indent, ensure_ascii=ascii_only).encode()
-    matcher = byte_grammars.compile(JSON_OBJECT).matcher()
-    for i, byte in enumerate(data):
-        assert feed(matcher, bytes([byte])), data[: i + 1]
-        assert complete(matcher) == (i == len(data) - 1)
+    for constraint, layout in ((JSON_OBJECT, {"separators": (",", ":")}), (FLEXIBLE_JSON_OBJECT, {"indent": indent})):
+        data = json.dumps(obj, ensure_ascii=ascii_only, **layout).encode()
+        matcher = byte_grammars.compile(constraint).matcher()
+        for i, byte in enumerate(data):
+            assert feed(matcher, bytes([byte])), data[: i + 1]
+            assert complete(matcher) == (i == len(data) - 1)
 
 
 @settings(max_examples=500, deadline=None)
 @given(st.text(alphabet='{}[]":,0123456789.eE+-truefalsn \\ax', max_size=24))
 def test_whatever_the_grammar_completes_is_a_json_object(byte_grammars, text):
-    matcher = byte_grammars.compile(JSON_OBJECT).matcher()
+    matcher = byte_grammars.compile(FLEXIBLE_JSON_OBJECT).matcher()
     done = feed(matcher, text.encode()) and complete(matcher)
     has_long_space = re.search(r"[ \t\n\r]{%d,}" % (MAX_SPACE + 1), text) is not None
     if done:
@@ -142,15 +144,22 @@ def test_string_bytes_are_accepted_exactly_when_they_are_utf8(byte_grammars, dat
                                   '{"a":1}}', '{"a":"\\q"}', '{"a":1.}', '{} ', ' {}', '{' + ' ' * 21 + '}',
                                   '{"a":"\x7f"}'])
 def test_invalid_texts_are_refused(byte_grammars, text):
-    matcher = byte_grammars.compile(JSON_OBJECT).matcher()
-    assert not (feed(matcher, text.encode()) and complete(matcher))
+    for constraint in (JSON_OBJECT, FLEXIBLE_JSON_OBJECT):
+        matcher = byte_grammars.compile(constraint).matcher()
+        assert not (feed(matcher, text.encode()) and complete(matcher))
 
 
-def test_compact_json_has_no_whitespace(byte_grammars):
-    compact = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
-    matcher = byte_grammars.compile(compact).matcher()
-    assert feed(matcher, b'{"a":[1,2],"b":{}}') and complete(matcher)
-    assert not feed(byte_grammars.compile(compact).matcher(), b'{"a": 1}')
+def test_json_is_compact_unless_whitespace_is_asked_for(byte_grammars):
+    """By default `,` and `:` alone; disable_any_whitespace=False: up to MAX_SPACE whitespace characters per gap."""
+    compact, spaced = b'{"ok":true,"n":1}', b'{ "ok" :\ttrue,\n"n":1' + b" " * MAX_SPACE + b"}"
+    schema = StructuredOutputsParams(json=SCHEMAS[0])
+    flexible_schema = StructuredOutputsParams(json=SCHEMAS[0], disable_any_whitespace=False)
+    for constraint, accepted in ((JSON_OBJECT, {compact}), (FLEXIBLE_JSON_OBJECT, {compact, spaced}),
+                                 (schema, {compact}), (flexible_schema, {compact, spaced})):
+        for text in (compact, spaced):
+            jsonschema.validate(json.loads(text), SCHEMAS[0])
+            matcher = byte_grammars.compile(constraint).matcher()
+            assert (feed(matcher, text) and complete(matcher)) == (text in accepted), (constraint, text)
 
 
 def test_masks_and_advance_agree_on_a_real_vocabulary():
@@ -158,7 +167,8 @@ def test_masks_and_advance_agree_on_a_real_vocabulary():
     both end-of-sequence ids only at the end, and tokens the mask refuses are refused by advance too."""
     tokenizer = Tokenizer.from_folder(BUNDLED_MODEL)
     grammars = GrammarCompiler(tokenizer, 4096)
-    ids = tokenizer.encode(json.dumps({"name": "héllo 你好", "n": [1, 2.5e3, None, True]}), add_special_tokens=False)
+    document = json.dumps({"name": "héllo 你好", "n": [1, 2.5e3, None, True]}, separators=(",", ":"))
+    ids = tokenizer.encode(document, add_special_tokens=False)
     matcher = grammars.compile(JSON_OBJECT).matcher()
     assert len(tokenizer.eos_token_ids) == 2
     for i, token in enumerate(ids):
@@ -241,7 +251,7 @@ def assert_replays(llm: LLM, constraint: StructuredOutputsParams, token_ids: lis
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["scalars", "enum-array", "nested-pattern"])
 def test_schema_outputs_validate(request, which, schema):
     llm = request.getfixturevalue(which)
-    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    constraint = StructuredOutputsParams(json=schema)
     for output in generate(llm, "Answer in JSON:", constraint, seeds=3, max_tokens=96):
         assert output.finish_reason == "stop", output.text
         jsonschema.validate(json.loads(output.text), schema)

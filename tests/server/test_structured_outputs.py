@@ -5,8 +5,9 @@ and Python's `re`; tool_choice required or named gets one call of a listed tool 
 schema (the call's layout against the renderers is tested in test_tool_grammar.py). A bad constraint is a 400
 naming its field, in one sentence, before anything is generated.
 
-The constraints are bounded (enums, bounded integers, no extra properties, whitespace capped per gap), so with
-max_tokens past that bound every reply must finish with "stop".
+The constraints are bounded (enums, bounded integers, no extra properties, no whitespace between JSON items), so
+with max_tokens past that bound every reply must finish with "stop"; on the bundled model too, through the openai
+client's `parse()` and forced tool calls, within 60 tokens.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import re
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
+from kestrel.engine.args import BUNDLED_MODEL
 from replica import write_k3_replica
 from server_helpers import MODEL_NAME, LiveServer
 
@@ -25,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
                                                                             "maximum": 9}},
           "required": ["ok", "n"], "additionalProperties": False}
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
-SCHEMA_TOKENS = 200                     # 8 gaps of at most 20 whitespace characters, and the rest
+SCHEMA_TOKENS = 200                     # ample for each bounded constraint here
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
 GRAMMAR = 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?\n'
 GRAMMAR_REGEX = r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)"
@@ -37,6 +40,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
         "type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,5}$"}}, "required": ["q"],
         "additionalProperties": False}}}]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "Who art thou? Answer in JSON."}]
+
+
+class Person(pydantic.BaseModel):
+    """A small reply model with bounded values (the bundled model seldom closes an unbounded string)."""
+
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+@pytest.fixture(scope="module")
+def bundled_server():
+    live = LiveServer(BUNDLED_MODEL)
+    yield live
+    live.stop()
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +185,45 @@ def test_forced_tool_calls_are_well_formed(request, which, tool_choice):
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] in names
         jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]])
+
+
+def test_openai_parse_finishes_on_the_bundled_model(bundled_server):
+    """Given free whitespace, the bundled model filled it until max_tokens (issue #60)."""
+    client = openai.OpenAI(base_url=bundled_server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.parse(model=MODEL_NAME, messages=QUESTION, response_format=Person,
+                                          max_tokens=60, temperature=0)
+    assert reply.choices[0].finish_reason == "stop"
+    assert Person.model_validate_json(reply.choices[0].message.content) == reply.choices[0].message.parsed
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["pydantic_function_tool", "model_json_schema"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "introduce"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_finish_on_the_bundled_model(bundled_server, tool_choice, strict):
+    """Without additionalProperties, the bundled model invented keys until max_tokens."""
+    tool = openai.pydantic_function_tool(Person, name="introduce") if strict else \
+        {"type": "function", "function": {"name": "introduce", "parameters": Person.model_json_schema()}}
+    client = openai.OpenAI(base_url=bundled_server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, tools=[tool],
+                                           tool_choice=tool_choice, max_tokens=60, temperature=0)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "introduce"
+    jsonschema.validate(json.loads(call.function.arguments), {**Person.model_json_schema(),
+                                                              "additionalProperties": False})
+
+
+def outside_strings(text: str) -> str:
+    """JSON text with every string emptied."""
+    return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+
+
+def test_json_object_is_compact_unless_whitespace_is_asked_for(server):
+    compact, finish = chat_reply(server, {"response_format": {"type": "json_object"}, "max_tokens": 60,
+                                          "temperature": 0})
+    assert finish == "stop" and isinstance(json.loads(compact), dict)
+    assert not re.search(r"\s", outside_strings(compact)), compact
+    flexible_json = {"json_object": True, "disable_any_whitespace": False}
+    flexible, finish = chat_reply(server, {"structured_outputs": flexible_json, "max_tokens": 60, "temperature": 0})
+    assert finish == "stop" and isinstance(json.loads(flexible), dict)
+    assert re.search(r"\s", outside_strings(flexible)), flexible

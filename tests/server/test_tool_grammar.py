@@ -1,7 +1,7 @@
 """The forced-call grammar (kestrel/server/tool_grammar.py) against the renderers: what K3's renderer (xtml.py,
 checked against Moonshot's) and the bundled chat template write for an assistant call with valid arguments is
 accepted token by token after the forced start, end-of-sequence only at the message's end; calls with arguments
-the schema refuses, or of a tool not asked for, are not."""
+the schema refuses or does not declare, or of a tool not asked for, are not."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ INVALID = [("get_weather", {"city": "Paris"}),                         # a requi
            ("get_weather", {"city": "Paris", "days": 2, "unit": "k"}),  # not in the enum
            ("get_weather", {"days": 2, "city": "Paris"}),              # not in the schema's order
            ("get_weather", {"city": "a" * 13, "days": 2}),             # too long
-           ('say "hi" & go', {"q": "ABC"})]                            # against the pattern
+           ('say "hi" & go', {"q": "ABC"}),                            # against the pattern
+           ('say "hi" & go', {"q": "abc", "page": 2})]                 # a property not declared
 
 
 @pytest.fixture(scope="module")

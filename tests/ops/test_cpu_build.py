@@ -37,9 +37,9 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:xdist", *sys.arg
 
 def test_the_avx2_build_computes_the_same() -> None:
     """The kernels carry code for AVX-512 and for AVX2 (expert_matvec's MXFP4 decode); on a CPU with AVX-512 the
-    suite builds and tests the first, so the kernel tests run again here in a process whose kernels are built for
-    AVX2 (ATEN_CPU_CAPABILITY=avx2, which inductor's ISA choice follows). Elsewhere the suite itself tests this
-    CPU's build."""
+    suite builds and tests the first, so the kernel tests, and the traced decode step that calls them, run again
+    here in a process whose kernels and ATen kernels are built for AVX2 (ATEN_CPU_CAPABILITY=avx2, which
+    inductor's ISA choice follows). Elsewhere the suite itself tests this CPU's build."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     if "CPU_CAPABILITY_AVX512" not in pick_vec_isa().build_macro():
@@ -47,7 +47,8 @@ def test_the_avx2_build_computes_the_same() -> None:
     tests = Path(__file__).parent
     result = subprocess.run([sys.executable, "-c", AVX2_RUN, str(tests / "test_moe_experts.py"), "-k",
                              "expert_matvec or cpu_kernel", str(tests / "test_kda_state_step.py"),
-                             str(tests / "test_linear_rows.py")],
+                             str(tests / "test_linear_rows.py"),
+                            f"{tests.parent}/engine/test_decode_graphs.py::test_the_traced_step_equals_the_eager_step"],
                             cwd=tests.parent.parent, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

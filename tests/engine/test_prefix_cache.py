@@ -4,12 +4,14 @@ ways the big engines' hybrid prefix caches returned garbage, and the pools and t
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.cache.device_ops import DeviceOps
+from kestrel.engine.cache.hicache import HierarchicalStore, HostTier
 from kestrel.engine.cache.kv_pool import KVPool
 from kestrel.engine.cache.radix import PrefixCache
 from kestrel.engine.cache.state_pool import StatePool
@@ -287,10 +289,20 @@ def test_hicache_brings_evicted_pages_and_snapshots_back_from_host_memory(model_
     assert evict_then_repeat(without, ids) == (cold(ids), 0)       # the device alone has forgotten it
 
 
+FILE_TIER = dict(enable_hierarchical_cache=True, hicache_ratio=0.25, hicache_storage_backend="file", **TIGHT)
+
+
+def damage(files: list[Path]) -> None:
+    """Flip a byte in the middle of each file and cut the first one short."""
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data[:-7] if path == files[0] else data))
+
+
 def test_hicache_file_tier_serves_hits_and_a_damaged_file_is_a_miss(model_dir, cold, tmp_path):
     ids = prompt(64, 22)
-    options = dict(enable_hierarchical_cache=True, hicache_ratio=0.25, hicache_storage_backend="file",
-                   hicache_storage_dir=str(tmp_path), **TIGHT)
+    options = dict(FILE_TIER, hicache_storage_dir=str(tmp_path))
     llm = warm_llm(model_dir, **options)
     store = llm.engine.scheduler.prefix_cache.store
     assert store.host.max_bytes < 2 * 41984                 # about one snapshot: the rest spills to disk
@@ -298,14 +310,26 @@ def test_hicache_file_tier_serves_hits_and_a_damaged_file_is_a_miss(model_dir, c
     assert store.storage_hits > 0
     damaged = warm_llm(model_dir, **{**options, "hicache_storage_dir": str(tmp_path / "damaged")})
     evict(damaged, ids)
-    files = sorted((tmp_path / "damaged").glob("*.hic"))
-    for path in files:                                       # a flipped byte in each, one file cut short
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x40
-        path.write_bytes(bytes(data[:-7] if path == files[0] else data))
+    damage(sorted((tmp_path / "damaged").glob("*.hic")))
     assert cached(damaged, ids)[0] == cold(ids)
     assert damaged.engine.scheduler.prefix_cache.store.storage.corrupt > 0
     assert_idle(damaged.engine.scheduler)
+
+
+def test_hicache_file_tier_serves_an_engine_restarted_on_its_directory(model_dir, cold, tmp_path):
+    """A new engine resumes from what the last one spilled to disk, and again after it spills the same prompt (whose
+    files are there already) once more; after a restart on damaged files, its answer is still the cold one."""
+    ids, options = prompt(65, 22), dict(FILE_TIER, hicache_storage_dir=str(tmp_path))
+    evict(warm_llm(model_dir, **options), ids)
+    restarted = warm_llm(model_dir, **options)
+    assert cached(restarted, ids) == (cold(ids), 21)
+    assert evict_then_repeat(restarted, ids) == (cold(ids), 21)
+    assert restarted.engine.scheduler.prefix_cache.store.storage_hits > 0
+    assert_idle(restarted.engine.scheduler)
+    damage(sorted(tmp_path.glob("*.hic")))
+    damaged = warm_llm(model_dir, **options)
+    assert cached(damaged, ids)[0] == cold(ids)
+    assert damaged.engine.scheduler.prefix_cache.store.storage.corrupt > 0
 
 
 def test_an_abort_mid_prefill_leaves_a_usable_cache(model_dir, cold):
@@ -356,3 +380,24 @@ def test_eviction_takes_the_least_recently_used_leaf_and_its_queue_stays_bounded
         cache.match(branches[2] + [99], 9)
     assert len(cache._leaves) <= 2 * cache.num_pages + 64
     assert cache.reclaim_pages(16) == 5 and cache.num_pages == 0 and kv.num_free == 16
+
+
+def test_what_the_cache_keeps_for_hicache_stays_within_its_pools_and_the_store():
+    """2,000 distinct pages and snapshots evicted through a host tier of four entries: no container the cache holds
+    outgrows its pools and the tiers (it keeps no index of what the store once held)."""
+    ops = DeviceOps()
+    kv, state = KVPool(8, PAGE, ops), StatePool(2, ops)
+    store = HierarchicalStore(HostTier(max_bytes=256))
+    cache, running = PrefixCache(state, kv, store), state.allocate()
+    for i in range(2000):
+        if kv.num_free == 0:
+            cache.reclaim_pages(1)
+        pages = kv.allocate(1)
+        cache.snapshot(cache.insert(cache.root, [i] * PAGE, pages), [], None, running)
+        kv.free(pages)
+        for kind, _, put in ops.take():
+            if kind == "save":
+                put[0]({"0.x": torch.zeros(64, dtype=torch.uint8)})
+    assert cache.stats.snapshots_evicted > 1000 and len(store.host) == 4
+    sizes = {name: len(held) for name, held in vars(cache).items() if isinstance(held, (dict, list, set))}
+    assert max(sizes.values()) <= 2 * kv.num_pages + 64 + len(store.host), sizes

@@ -22,8 +22,10 @@ stale are skipped when popped), so eviction under pressure never walks the whole
 
 With HiCache (hicache.py), what is evicted is first saved to the store (host memory, then disk), keyed by a chain
 hash of the token pages up to it (seeded with the model's namespace); a lookup that finds pages and a snapshot
-there beyond what the device tree holds loads them back into fresh pages and a fresh slot before the hit. A store
-entry that is missing, damaged or of another layout is a miss.
+there beyond what the device tree holds loads them back into fresh pages and a fresh slot before the hit. The tree
+keeps no index of the store: a lookup asks the store for the keys of the snapshots it could resume from, so what a
+tier drops is forgotten with it, and a restarted engine finds what the last one left on disk. A store entry that is
+missing, damaged or of another layout is a miss.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import hashlib
 import heapq
 import itertools
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .hicache import Entry, HierarchicalStore
@@ -107,7 +110,6 @@ class PrefixCache:
         self.page_size = kv_pool.page_size
         self.root = Node((), None, None, 0, self.page_size, hash=_digest(namespace, ()))
         self.store, self.specs = store, specs or {}
-        self._stored_snapshots: dict[str, set[tuple[int, ...]]] = {}     # node hash -> tails saved in the store
         self.stats = CacheStats()
         self._clock = itertools.count(1)
         self._num_nodes = 0
@@ -285,7 +287,7 @@ class PrefixCache:
 
     def _drop_snapshot(self, snap: Snapshot) -> None:
         parts = [("slot", snap.slot)] + ([("page", snap.tail_page)] if snap.tail else [])
-        self._spill(parts, _snapshot_key(snap.node.hash, snap.tail), (snap.node.hash, snap.tail))
+        self._spill(parts, _snapshot_key(snap.node.hash, snap.tail))
         del self._snapshots[snap.slot]
         del snap.node.snapshots[snap.tail]
         self.state_pool.free(snap.slot)
@@ -295,16 +297,11 @@ class PrefixCache:
 
     # HiCache: spilling what is evicted, and loading it back
 
-    def _spill(self, parts: list[tuple[str, int]], key: str, snapshot: tuple[str, tuple[int, ...]] | None = None):
-        """Save parts to the store under key (journaled, so it reads them before anything reuses them)."""
-        if self.store is None or key in self.store:
-            return
-
-        def put(entry: Entry) -> None:
-            self.store.put(key, entry)
-            if snapshot is not None:
-                self._stored_snapshots.setdefault(snapshot[0], set()).add(snapshot[1])
-        self.state_pool.ops.save(parts, put)
+    def _spill(self, parts: list[tuple[str, int]], key: str) -> None:
+        """Save parts to the store under key, unless it holds the key already (journaled, so it reads them before
+        anything reuses them)."""
+        if self.store is not None and key not in self.store:
+            self.state_pool.ops.save(parts, lambda entry: self.store.put(key, entry))
 
     def _load(self, path: list[Node], tokens: list[int], limit: int, best: int) -> bool:
         """Bring back from the store the longest prefix past `best` tokens that ends at a stored snapshot (its
@@ -321,13 +318,20 @@ class PrefixCache:
             start = depth * size
             if start + size - 1 <= best:
                 return False
-            for tail in sorted(self._stored_snapshots.get(chain[depth], ()), key=len, reverse=True):
-                if start + len(tail) <= best:
-                    break
-                if start + len(tail) <= limit and tuple(tokens[start:start + len(tail)]) == tail:
-                    base = ([self.root, *path])[min(depth, len(path))]
-                    return self._bring_back(base, chain[base.depth + 1:depth + 1], keys[:depth - base.depth], tail)
+            tail = self._stored_tail(chain[depth], tokens[start:min(start + size - 1, limit)], best - start)
+            if tail is not None:
+                base = ([self.root, *path])[min(depth, len(path))]
+                return self._bring_back(base, chain[base.depth + 1:depth + 1], keys[:depth - base.depth], tail)
         return False
+
+    def _stored_tail(self, node_hash: str, tokens: list[int], shorter: int) -> tuple[int, ...] | None:
+        """The longest prefix of tokens, longer than `shorter` tokens, that ends a snapshot the store holds after
+        node_hash's node, or None."""
+        keys = _snapshot_keys(node_hash, tokens)
+        for length in range(len(tokens), max(shorter, -1), -1):
+            if keys[length] in self.store:
+                return tuple(tokens[:length])
+        return None
 
     def _bring_back(self, base: Node, hashes: list[str], keys: list[tuple[int, ...]], tail: tuple[int, ...]) -> bool:
         """Load the stored pages `hashes` (holding the tokens `keys`) below base, then the snapshot with `tail` at
@@ -335,8 +339,6 @@ class PrefixCache:
         node_hash = hashes[-1] if hashes else base.hash
         pages = [self._get(digest, "page") for digest in hashes]
         snapshot = self._get(_snapshot_key(node_hash, tail), "tail snapshot" if tail else "snapshot")
-        if snapshot is None:
-            self._stored_snapshots.get(node_hash, set()).discard(tail)
         if snapshot is None or any(p is None for p in pages):
             return False
         wanted = len(pages) + bool(tail)
@@ -374,9 +376,21 @@ class PrefixCache:
         return entry
 
 
-def _digest(parent: str, tokens: tuple[int, ...], salt: bytes = b"") -> str:
-    return hashlib.blake2b(parent.encode() + salt + array("q", tokens).tobytes(), digest_size=16).hexdigest()
+def _digest(parent: str, tokens: tuple[int, ...]) -> str:
+    return hashlib.blake2b(parent.encode() + array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
 def _snapshot_key(node_hash: str, tail: tuple[int, ...]) -> str:
-    return _digest(node_hash, tail, b"snapshot")
+    return _snapshot_keys(node_hash, tail)[-1]
+
+
+def _snapshot_keys(node_hash: str, tokens: Sequence[int]) -> list[str]:
+    """The store's keys of the snapshots after node_hash's node and then tokens[:n], for n = 0 .. len(tokens)
+    (hashing each token once)."""
+    hasher = hashlib.blake2b(node_hash.encode() + b"snapshot", digest_size=16)
+    data = memoryview(array("q", tokens).tobytes())
+    keys = [hasher.hexdigest()]
+    for offset in range(0, len(data), 8):
+        hasher.update(data[offset:offset + 8])
+        keys.append(hasher.hexdigest())
+    return keys

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server: routes, errors, admission, streaming; the engine runs on its own thread.
 
 Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with the right status: 400 for a bad
-body (naming the field), a prompt past the context or a request that can never run, 401 for a missing or wrong
-key, 404 for an unknown model, 408 past --request-timeout, 429 with Retry-After past --max-queued-requests or
---max-concurrent-requests-per-key, 503 while shutting down, 500 for a request the engine failed (the others
-carry on).
+body (naming the field and the range it accepts), a prompt past the context or a request that can never run, 401
+for a missing or wrong key, 404 for an unknown model, 408 past --request-timeout, 429 with Retry-After past
+--max-queued-requests or --max-concurrent-requests-per-key, 503 while shutting down, 500 for a request the engine
+failed (the others carry on).
 """
 
 from __future__ import annotations
@@ -15,10 +15,14 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from types import UnionType
+from typing import Union, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from ..cookbook.web import site_files
 from ..disagg.wire import TransferError
@@ -104,8 +108,12 @@ def create_app(engine: AsyncEngine, options: ServerOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "kestrel", "max_model_len": engine.engine.context_length}]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        _check_model(state, model_id)
+        return _model_card(state)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -154,31 +162,77 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(error)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(error.errors()))
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        body_field = getattr(request.scope.get("route"), "body_field", None)
+        return error_response(_validation_error(error.errors(), body_field and body_field.field_info.annotation))
 
 
-def _validation_error(errors: list[dict]) -> ApiError:
-    """One 400 naming the first bad field (pydantic reports a union's alternatives as several errors)."""
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+def _validation_error(errors: list[dict], body_model: type | None = None) -> ApiError:
+    """One 400 naming the first bad field. Pydantic reports each alternative of a union as its own error: the one
+    that got deepest into the value is named (with the accepted range for a number out of it); alternatives that
+    failed equally deep are "no accepted type"."""
+    if errors[0].get("type") == "json_invalid":
         return ApiError(400, "the request body is not valid JSON.")
-    field = _field_path(first.get("loc", ()))
-    if not field:
+    paths = [_field_path(e.get("loc", ())) for e in errors]
+    if not paths[0]:
         return ApiError(400, "the request body must be a JSON object.")
-    if sum(_field_path(e.get("loc", ())) == field for e in errors) > 1:
-        return ApiError(400, f"{field}: no accepted type matches {first.get('input')!r:.80}.", field)
-    return ApiError(400, f"{field}: {first.get('msg', 'invalid value')}.", field)
+    related = [i for i, p in enumerate(paths) if p[:len(paths[0])] == paths[0] or paths[0][:len(p)] == p]
+    depth = max(len(paths[i]) for i in related)
+    deepest = [i for i in related if len(paths[i]) == depth]
+    error, field = errors[deepest[0]], ".".join(paths[deepest[0]])
+    if len(deepest) > 1:
+        return ApiError(400, f"{field}: no accepted type matches {error.get('input')!r:.80}.", field)
+    bounds = _bounds(_field_info(body_model, paths[deepest[0]])) if error.get("type") in _RANGE_ERRORS else ""
+    if bounds:
+        return ApiError(400, f"{field} must be {bounds}; got {error.get('input')!r:.80}.", field)
+    return ApiError(400, f"{field}: {error.get('msg', 'invalid value')}.", field)
 
 
-def _field_path(loc) -> str:
-    """'messages.0.content' from pydantic's location, without "body" and the type names of union members."""
-    parts = []
-    for part in loc[1:]:
-        if isinstance(part, str) and (part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool")):
-            break
-        parts.append(str(part))
-    return ".".join(parts)
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+_BOUND_WORDS = {"ge": "at least", "gt": "greater than", "le": "at most", "lt": "less than"}
+
+
+def _field_path(loc) -> list[str]:
+    """['messages', '0', 'content'] from pydantic's location, without "body" and the type names of union members."""
+    return [str(part) for part in loc[1:] if not (isinstance(part, str) and (
+        part[:1].isupper() or "[" in part or part in ("str", "int", "float", "bool")))]
+
+
+def _field_info(model: type | None, path: list[str]) -> FieldInfo | None:
+    """The declaration of the field at `path` in a request model (through unions and lists), or None."""
+    info, types = None, [model]
+    for part in path:
+        if part.isdigit():                # a list item: its type is among the list's
+            continue
+        holders = [t for t in _member_types(types) if isinstance(t, type) and issubclass(t, BaseModel)
+                   and part in t.model_fields]
+        if not holders:
+            return None
+        info = holders[0].model_fields[part]
+        types = [info.annotation]
+    return info
+
+
+def _member_types(types: list) -> list:
+    """The types that unions and lists among `types` are made of, recursively."""
+    out = []
+    for t in types:
+        out += _member_types(list(get_args(t))) if get_origin(t) in (Union, UnionType, list) else [t]
+    return out
+
+
+def _bounds(info: FieldInfo | None) -> str:
+    """'at least 1 and at most 128' from a field's declared bounds ("" if it declares none)."""
+    if info is None:
+        return ""
+    return " and ".join(f"{words} {getattr(m, key)}" for m in info.metadata for key, words in _BOUND_WORDS.items()
+                        if getattr(m, key, None) is not None)
+
+
+def _model_card(state: ServerState) -> dict:
+    """The served model as OpenAI's model object (with vLLM's max_model_len)."""
+    return {"id": state.model_name, "object": "model", "created": now(), "owned_by": "kestrel",
+            "max_model_len": state.engine.engine.context_length}
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -210,7 +264,7 @@ def _render_chat(tokenizer, messages: list[Message], **options) -> ChatPrompt:
     try:
         return render_chat(tokenizer, messages, **options)
     except ChatTemplateError as e:
-        raise ApiError(400, str(e), "messages") from e
+        raise ApiError(400, str(e), e.param) from e
 
 
 def _sampling_params(body: SamplingFields, state: ServerState, *args, **kwargs) -> SamplingParams:
@@ -330,6 +384,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         raise ApiError(400, "prompt must not be empty.", "prompt")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens 0 only makes sense with echo.", "max_tokens")
+    _refuse_unsupported(body)
     want_prompt_logprobs = body.echo and body.logprobs is not None
     constraint = await _compiled(state, requested_constraint(body, body.response_format))
     params = _sampling_params(body, state, _max_tokens(body.max_tokens), body.logprobs,
@@ -393,6 +448,15 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
             "choices": choices, "usage": _usage(finals.values(), generated)}
 
 
+def _refuse_unsupported(body: CompletionRequest) -> None:
+    """A 400 for completion fields kestrel does not implement, rather than ignoring them."""
+    if body.suffix:
+        raise ApiError(400, "suffix (text inserted after the completion) is not supported; leave it out.", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(400, f"best_of {body.best_of} is not supported (kestrel returns every sequence it samples); "
+                            f"leave it out or set it to n ({body.n}).", "best_of")
+
+
 def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids) if tokenizer is not None else ""
 
@@ -434,9 +498,10 @@ def _chat_prompt(state: ServerState, body: ChatTemplateFields, messages: list[Me
                  add_generation_prompt: bool = True, constrained: bool | None = None) -> ChatPrompt:
     """The rendered chat, with the start of the reply that tool_choice (required or named) and an output constraint
     force (a constrained reply starts in the content channel; constrained None: as response_format says); the same
-    for a chat request and for /tokenize."""
-    choice = body.tool_choice or ("auto" if body.tools else "none")
-    if choice != "none" and not body.tools:
+    for a chat request and for /tokenize. The renderer gets the caller's tool_choice only: K3's writes a note for
+    the one given, as Moonshot's does, and none for a chat that gives none."""
+    choice = body.tool_choice
+    if choice not in (None, "none") and not body.tools:
         raise ApiError(400, "tool_choice needs tools.", "tool_choice")
     name = None
     if isinstance(choice, NamedToolChoice):
@@ -472,6 +537,8 @@ def _forced_call(state: ServerState, body: ChatCompletionRequest) -> RequestedCo
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+    if body.max_tokens == 0:
+        raise ApiError(400, "max_tokens must be at least 1 for a chat completion.", "max_tokens")
     requested = requested_constraint(body, body.response_format)
     if requested is not None and body.tools and body.tool_choice not in (None, "none"):
         raise ApiError(400, f"{requested.field} cannot be combined with tool calls; set tool_choice to none.",
@@ -511,9 +578,10 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                                            delta.tool_calls + tail.tool_calls)
                         closed.add(j)
                     first = j not in sent
-                    sent[j] = (len(c.text), len(c.token_ids))
                     if not (delta or first or c.finish_reason):
+                        sent[j] = (len(c.text), tokens_from)      # their logprobs go with the next chunk
                         continue
+                    sent[j] = (len(c.text), len(c.token_ids))
                     logprobs = (chat_logprobs(tokenizer, c.token_ids[tokens_from:],
                                               (c.logprobs or [])[tokens_from:], top) if body.logprobs else None)
                     yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": now(),

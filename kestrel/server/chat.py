@@ -21,12 +21,13 @@ its arguments). A call's argument elements are streamed as one JSON object, `{"K
 `json.dumps(arguments, ensure_ascii=False)` writes it (string values as they arrive, other values when their
 element closes); a json element's text, or text written straight into a call, is passed on as it is. A marker
 that skips ahead closes what it skips (a tools section opened while thinking ends the reasoning); a well-formed
-marker is never shown as text, even where it has no place; `<|open|>` or `<|close|>` that begins no well-formed
-marker is text.
+marker is never shown as text, even where it has no place; nor is a control token: one that begins no well-formed
+marker is dropped (the text after it stays), and a marker cut off by the end of the reply is dropped whole.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -34,12 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..engine.tokenizer import Tokenizer
 from . import xtml
 from .protocol import Message, ResponseFormat, Tool
-from .xtml import CLOSE, OPEN, SEP, Segment
+from .xtml import CLOSE, END_OF_MSG, OPEN, SEP, Segment
 
 XTML_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 """The chat template of kestrel's bundled model (its older XTML dialect)."""
@@ -57,14 +59,23 @@ _CONTENT_CHANNELS = (MESSAGE, RESPONSE)
 _ARGUMENT_CHANNELS = (CALL, JSON_BLOCK, BUNDLED_CALL)
 
 MAX_TAG = 512
-"""The longest marker body (name and attributes) read as a marker; a longer one is text."""
+"""The longest marker body (name and attributes) read as a marker; past it, the control token is dropped and the
+rest is text."""
 _OPEN_BODY = re.compile(r'([A-Za-z_][\w-]*)((?:\s+[\w-]+="[^"]*")*)\s*')
 _CLOSE_BODY = re.compile(r"[A-Za-z_][\w-]*")
+_OPEN_BODY_START = re.compile(r'(?:[A-Za-z_][\w-]*(?:\s+[\w-]+="[^"]*")*(?:\s+(?:[\w-]+(?:=(?:"[^"]*)?)?)?)?)?')
+_CLOSE_BODY_START = re.compile(r"(?:[A-Za-z_][\w-]*)?")
+CONTROL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)
+"""The format's control tokens: never reasoning, content or arguments."""
 _ATTRIBUTE = re.compile(r'([\w-]+)="([^"]*)"')
 
 
 class ChatTemplateError(ValueError):
-    """The messages cannot be rendered for this model."""
+    """The messages cannot be rendered for this model; param: the request field to blame."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -89,20 +100,20 @@ def render_chat(tokenizer: Tokenizer, messages: list[Message], *, tools: list[To
     tool_choice: "none", "auto" or "required"; tool_name: a tool the reply must call (a named tool_choice);
     json_mode: the reply is constrained content (JSON mode, a schema, a regex or a grammar), so it starts in the
     content channel. A forced reply skips the reasoning.
-    reasoning_effort: OpenAI's field (None: K3's default, max; "none": thinking off); K3's renderer writes it,
-    a folder template gets it as the variable `reasoning_effort`.
+    reasoning_effort: OpenAI's field (None: K3's default, max; "none": thinking off; "minimal": K3's lowest
+    effort, low); K3's renderer writes it, a folder template gets it as the variable `reasoning_effort`. A folder
+    template that does not read that variable (the bundled model's) cannot set an effort: "none" closes the
+    reasoning before the reply, any other effort is a ChatTemplateError.
     """
+    effort = "low" if reasoning_effort == "minimal" else reasoning_effort
     force_call = tool_choice == "required" or tool_name is not None
     if tokenizer.chat_template:
-        text = _render_template(tokenizer.chat_template, messages, tools if tool_choice != "none" else None,
-                                add_generation_prompt, reasoning_effort)
-        opened = _opened_channel(text) if add_generation_prompt else ""
-        forced = _bundled_forced_start(opened, json_mode, force_call, tool_name) if add_generation_prompt else ""
-        return ChatPrompt([Segment(text + forced, control=True)], opened + forced)
-    thinking = reasoning_effort != "none"
+        return _render_folder_chat(tokenizer.chat_template, messages, tools if tool_choice != "none" else None,
+                                   add_generation_prompt, effort, json_mode, force_call, tool_name)
+    thinking = effort != "none"
     try:
         segments = xtml.render(messages, tools, add_generation_prompt=add_generation_prompt, thinking=thinking,
-                               thinking_effort=(reasoning_effort or "max") if thinking else None,
+                               thinking_effort=(effort or "max") if thinking else None,
                                tool_choice=tool_choice, response_format=response_format)
     except xtml.XtmlError as e:
         raise ChatTemplateError(str(e)) from e
@@ -121,6 +132,32 @@ def prompt_ids(tokenizer: Tokenizer, prompt: ChatPrompt, add_special_tokens: boo
         ids += tokenizer.encode(segment.text, add_special_tokens=add_special_tokens and i == 0,
                                 allow_special=segment.control)
     return ids
+
+
+def _render_folder_chat(template: str, messages: list[Message], tools: list[Tool] | None,
+                        add_generation_prompt: bool, effort: str | None, json_mode: bool, force_call: bool,
+                        tool_name: str | None) -> ChatPrompt:
+    """The prompt under a folder's chat template, with the reply start kestrel forces (render_chat)."""
+    reads_effort = _reads_variable(template, "reasoning_effort")
+    if effort not in (None, "none") and not reads_effort:
+        raise ChatTemplateError("this model's chat template cannot set a thinking effort; send reasoning_effort "
+                                "none (no reasoning) or leave it out.", "reasoning_effort")
+    text = _render_template(template, messages, tools, add_generation_prompt, effort)
+    if not add_generation_prompt:
+        return ChatPrompt([Segment(text, control=True)])
+    opened = _opened_channel(text)
+    skip_thinking = json_mode or force_call or effort == "none" and not reads_effort
+    start = _bundled_forced_start(opened, skip_thinking, force_call, tool_name)
+    return ChatPrompt([Segment(text + start, control=True)], opened + start)
+
+
+@functools.lru_cache(maxsize=8)
+def _reads_variable(template: str, name: str) -> bool:
+    """Whether the chat template reads the variable `name`."""
+    try:
+        return name in jinja2.meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template))
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the model's chat template does not parse: {e}.") from e
 
 
 def _render_template(template: str, messages: list[Message], tools: list[Tool] | None, add_generation_prompt: bool,
@@ -160,9 +197,10 @@ def _k3_forced_start(opened: str, json_mode: bool, force_call: bool, tool_name: 
     return out + (xtml.open_tag("call", [("tool", tool_name), ("index", 1)]) if tool_name else [])
 
 
-def _bundled_forced_start(opened: str, json_mode: bool, force_call: bool, tool_name: str | None) -> str:
-    """The reply's forced start in the bundled dialect: after the reasoning, or the opening of a tool_call."""
-    if not (json_mode or force_call):
+def _bundled_forced_start(opened: str, skip_thinking: bool, force_call: bool, tool_name: str | None) -> str:
+    """The reply's forced start in the bundled dialect: past the reasoning (skip_thinking: JSON mode, a forced call,
+    or thinking off), then for a forced call the opening of a tool_call."""
+    if not skip_thinking:
         return ""
     out = THINK_CLOSE if opened == THINK_OPEN else ""
     if force_call:
@@ -239,7 +277,7 @@ class ReplyParser:
             elif kind == "open":
                 name, attributes = _open_body(value)
                 self._open(delta, name, attributes)
-            else:
+            elif kind == "close":
                 self._close(delta, value)
         self._pending = self._pending[position:] if self._stack else ""
 
@@ -352,40 +390,48 @@ class _ArgumentsJson:
 
 
 def _next_piece(text: str, position: int, final: bool) -> tuple[str, str, int] | None:
-    """The next piece of `text` from `position`: ("text", text, end), ("open", body, end) or ("close", name, end);
-    None when what follows may still become a marker (held back unless `final`)."""
-    start = _find_marker_start(text, position, len(text))
+    """The next piece of `text` from `position`: ("text", text, end), ("open", body, end), ("close", name, end) or
+    ("drop", "", end) for a control token that is no marker's part, or a marker the reply's end cut off; None when
+    what follows may still become a marker (held back unless `final`)."""
+    start = _find_control(text, position, len(text), CONTROL_TOKENS)
     if start == -1:
-        end = len(text) if final else len(text) - _partial_marker_start(text, position)
+        end = len(text) if final else len(text) - _partial_control_start(text, position)
         return ("text", text[position:end], end) if end > position else None
     if start > position:
         return "text", text[position:start], start
-    opener = OPEN if text.startswith(OPEN, position) else CLOSE
-    body_start = position + len(opener)
+    token = next(t for t in CONTROL_TOKENS if text.startswith(t, position))
+    body_start = position + len(token)
+    if token not in (OPEN, CLOSE):
+        return "drop", "", body_start
     window_end = body_start + MAX_TAG + len(SEP)
     sep = text.find(SEP, body_start, window_end)
-    nested = _find_marker_start(text, body_start, sep if sep != -1 else window_end)
+    nested = _find_control(text, body_start, sep if sep != -1 else window_end, (OPEN, CLOSE))
     if sep != -1 and nested == -1:
         body = text[body_start:sep]
-        kind = "open" if opener == OPEN else "close"
+        kind = "open" if token == OPEN else "close"
         if (_OPEN_BODY if kind == "open" else _CLOSE_BODY).fullmatch(body):
             return kind, body, sep + len(SEP)
-        return "text", opener, body_start
-    if nested != -1 or final or len(text) >= window_end:
-        return "text", opener, body_start
+        return "drop", "", body_start
+    if nested != -1 or len(text) >= window_end:
+        return "drop", "", body_start
+    if final:                             # cut off: dropped whole if it could still have become a marker
+        body_start_pattern = _OPEN_BODY_START if token == OPEN else _CLOSE_BODY_START
+        return "drop", "", len(text) if body_start_pattern.fullmatch(text, body_start) else body_start
     return None
 
 
-def _find_marker_start(text: str, start: int, end: int) -> int:
-    hits = [i for i in (text.find(OPEN, start, end), text.find(CLOSE, start, end)) if i != -1]
+def _find_control(text: str, start: int, end: int, tokens: tuple[str, ...]) -> int:
+    """Where the first of `tokens` begins in text[start:end], or -1."""
+    hits = [i for i in (text.find(token, start, end) for token in tokens) if i != -1]
     return min(hits) if hits else -1
 
 
-def _partial_marker_start(text: str, position: int) -> int:
-    """Length of the longest suffix of text[position:] that begins `<|open|>` or `<|close|>`."""
-    for length in range(min(len(text) - position, len(CLOSE) - 1), 0, -1):
+def _partial_control_start(text: str, position: int) -> int:
+    """Length of the longest suffix of text[position:] that begins a control token."""
+    longest = max(len(token) for token in CONTROL_TOKENS) - 1
+    for length in range(min(len(text) - position, longest), 0, -1):
         tail = text[len(text) - length:]
-        if OPEN.startswith(tail) or CLOSE.startswith(tail):
+        if any(token.startswith(tail) for token in CONTROL_TOKENS):
             return length
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..engine.sampling import MODEL_DEFAULT_FIELDS, SamplingParams
 from ..engine.structured import StructuredOutputsParams
@@ -17,13 +17,14 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class Schema(BaseModel):
-    """Unknown fields are ignored (clients send many); known fields are type-checked."""
+    """Unknown fields are ignored (clients send many); known fields are type-checked (booleans strictly: "yes" is
+    no boolean)."""
 
     model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(Schema):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(Schema):
@@ -32,7 +33,7 @@ class JsonSchemaFormat(Schema):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(Schema):
@@ -46,8 +47,8 @@ class StructuredOutputsField(Schema):
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = True
 
     def fields(self) -> dict[str, Any]:
         """The StructuredOutputsParams fields it sets."""
@@ -63,7 +64,7 @@ class SamplingFields(Schema):
     temperature: float | None = Field(default=None, ge=0)       # None: the model's default, else 1
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=128)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=2**64 - 1)
@@ -74,9 +75,9 @@ class SamplingFields(Schema):
     repetition_penalty: float | None = Field(default=None, gt=0)
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     stop_token_ids: list[Int64] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     priority: Int64 = 0
     # what the output must match, in vLLM's fields (structured_outputs, and the legacy guided_*) or SGLang's
     structured_outputs: StructuredOutputsField | None = None
@@ -124,8 +125,10 @@ class CompletionRequest(SamplingFields, BootstrapFields):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     response_format: ResponseFormat | None = None
+    suffix: str | None = None                 # refused (app.py): kestrel does not insert text
+    best_of: int | None = Field(default=None, ge=1, le=128)      # refused unless it equals n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one text, several texts, one token-id list, or several."""
@@ -184,8 +187,9 @@ class NamedToolChoice(Schema):
     function: dict[str, str]
 
 
-ReasoningEffort = Literal["none", "low", "medium", "high", "max"]
-"""OpenAI's reasoning_effort as K3 understands it: "none" turns thinking off, the others are its thinking efforts."""
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "max"]
+"""OpenAI's reasoning_effort as K3 understands it: "none" turns thinking off, the others are its thinking efforts
+("minimal", OpenAI's lowest, is K3's lowest: low)."""
 
 
 class ChatTemplateFields(Schema):
@@ -200,7 +204,7 @@ class ChatTemplateFields(Schema):
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields, BootstrapFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
@@ -208,8 +212,8 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(Schema):

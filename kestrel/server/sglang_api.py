@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.outputs import CompletionOutput, RequestOutput
@@ -105,9 +105,9 @@ class GenerateSampling(Schema):
     repetition_penalty: float | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
     n: int = Field(default=1, ge=1, le=128)
     sampling_seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     json_schema: str | None = None
@@ -132,8 +132,8 @@ class GenerateRequest(BootstrapFields):
     text: str | list[str] | None = None
     input_ids: list[Int64] | list[list[Int64]] | None = None
     sampling_params: GenerateSampling | list[GenerateSampling] | None = None
-    stream: bool = False
-    return_logprob: bool | list[bool] | None = None
+    stream: StrictBool = False
+    return_logprob: StrictBool | list[StrictBool] | None = None
     priority: Int64 | None = None
 
     def prompts(self) -> list[str | list[int]]:

@@ -2,8 +2,8 @@
 
 Replies are written in K3's layout (Moonshot's renderer, `nemo_automodel/components/models/kimi_k3/encoding.py` in
 NVIDIA-NeMo/Automodel: think, response and tools channels, calls with argument elements) and in the bundled
-model's older dialect (kestrel/server/chat_template.jinja). The invariant: feeding a text in any pieces gives what
-feeding it whole gives.
+model's older dialect (kestrel/server/chat_template.jinja). The invariants: feeding a text in any pieces gives what
+feeding it whole gives, and no control token (or marker cut off by the reply's end) reaches reasoning or content.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kestrel.server.chat import RESPONSE_OPEN, THINK_OPEN, ReplyParser
+from kestrel.server.chat import CONTROL_TOKENS, RESPONSE_OPEN, THINK_OPEN, ReplyParser
 
 THINK_CLOSE = "<|close|>think<|sep|>"
 RESPONSE = "<|open|>response<|sep|>{}<|close|>response<|sep|>"
@@ -72,8 +72,11 @@ REPLIES = [
     ("call without a tools section", f"x{THINK_CLOSE}{WEATHER}{END}", "x", "", [("get_weather", WEATHER_ARGS)]),
     ("response without a think close", f"r{RESPONSE.format('c')}{END}", "r", "c", []),
     ("text after the message ignored", f"r{THINK_CLOSE}{RESPONSE.format('c')}{END}trailing", "r", "c", []),
-    ("marker-like text stays text", f"a <|open| b<|open|>x y<|sep|>{THINK_CLOSE}x <|close|>tool y <|sep|>",
-     "a <|open| b<|open|>x y<|sep|>", "x <|close|>tool y <|sep|>", []),
+    ("stray control tokens dropped, their text kept",
+     f"a <|open| b<|open|>x y<|sep|>{THINK_CLOSE}x <|close|>tool y <|sep|><|end_of_msg|>", "a <|open| bx y",
+     "x tool y ", []),
+    ("a marker cut off by the end dropped", "<|close|>th", "", "", []),
+    ("a call cut off in its name dropped", f'r{THINK_CLOSE}c<|open|>tool_call name="get', "r", "c", []),
     ("misplaced markers dropped", f"a<|close|>call<|sep|>b<|open|>argument key=\"k\"<|sep|>c{THINK_CLOSE}d",
      "abc", "d", []),
     ("bundled dialect", f"hmm{THINK_CLOSE}Let me check.{BUNDLED_CALL}{END}", "hmm", "Let me check.",
@@ -118,9 +121,11 @@ def test_a_truncated_call_is_still_reported():
     assert parse(held, [3])[2] == [("f", '{"n": 12')]
 
 
-def test_an_unfinished_marker_is_text_when_the_reply_ends():
-    assert parse("r<|open|>thi", [3])[:2] == ("r<|open|>thi", "")
-    assert parse("r<|open|>" + "x" * 600 + "<|sep|>", [9])[0] == "r<|open|>" + "x" * 600 + "<|sep|>"
+def test_a_marker_cut_off_by_the_end_is_dropped():
+    for cut in ("<|close|>", "<|close|>th", "<|close|>think", '<|open|>tool_call name="get_'):   # by max_tokens
+        assert parse("r" + cut, [1])[:2] == ("r", ""), cut
+    assert parse("r<|open|>1 + 1", [3])[:2] == ("r1 + 1", "")      # could never be a marker: only the token goes
+    assert parse("r<|open|>" + "x" * 600 + "<|sep|>", [9])[0] == "r" + "x" * 600
 
 
 PIECES = ["<|open|>", "<|close|>", "<|sep|>", "<|", "|>", "think", "response", "tools", "call", "argument", "json",
@@ -137,6 +142,7 @@ PIECES = ["<|open|>", "<|close|>", "<|sep|>", "<|", "|>", "think", "response", "
 def test_any_text_parses_the_same_in_any_split(pieces, start, cuts):
     text = "".join(pieces)
     whole = parse(text, [], start)[:3]
+    assert not any(token in whole[0] + whole[1] for token in CONTROL_TOKENS)
     assert parse(text, sorted({min(c, len(text)) for c in cuts}), start)[:3] == whole
     for cut in range(len(text) + 1):
         assert parse(text, [cut], start)[:3] == whole

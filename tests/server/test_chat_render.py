@@ -259,6 +259,21 @@ def test_forced_reply_starts_in_the_bundled_dialect():
         THINK_OPEN + '<|close|>think<|sep|><|open|>tool_call name="get_weather"<|sep|>'
 
 
+def test_a_template_without_thinking_effort_closes_the_reasoning_for_none_and_refuses_efforts():
+    """The bundled template never reads reasoning_effort: kestrel writes "none" as an empty reasoning, as it does
+    for a forced reply, and refuses an effort it cannot write."""
+    assert forced(BUNDLED, reasoning_effort="none") == THINK_OPEN + "<|close|>think<|sep|>"
+    assert forced(BUNDLED, reasoning_effort="none", tool_choice="required") == forced(BUNDLED, tool_choice="required")
+    for effort in ("minimal", "low", "max"):
+        with pytest.raises(ChatTemplateError, match="cannot set a thinking effort") as refused:
+            forced(BUNDLED, reasoning_effort=effort)
+        assert refused.value.param == "reasoning_effort"
+    reads = SimpleNamespace(chat_template=BUNDLED.chat_template.replace("<|open|>think<|sep|>{% endif %}",
+                                                                        "{{ reasoning_effort }}{% endif %}"))
+    hi = messages({"role": "user", "content": "Hi"})
+    assert render_chat(reads, hi, reasoning_effort="minimal").text.endswith("<|sep|>low")   # K3's lowest effort
+
+
 def test_the_folder_template_wins_and_k3_renders_otherwise():
     chat = messages({"role": "user", "content": "Hi"})
     assert render_chat(BUNDLED, chat).text == \
@@ -266,6 +281,7 @@ def test_the_folder_template_wins_and_k3_renders_otherwise():
     k3 = render_chat(K3, chat)
     assert k3.segments == render(chat, thinking_effort="max") and k3.reply_start == THINK_OPEN
     assert "thinking_effort=medium" in render_chat(K3, chat, reasoning_effort="medium").text
+    assert render_chat(K3, chat, reasoning_effort="minimal").segments == render(chat, thinking_effort="low")
     assert render_chat(K3, chat, reasoning_effort="none").segments == render(chat, thinking=False)
     assert render_chat(K3, chat, add_generation_prompt=False).reply_start == ""
     with pytest.raises(ChatTemplateError, match="tool name"):

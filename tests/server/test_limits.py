@@ -57,8 +57,19 @@ def test_api_keys_and_concurrent_requests_per_key(model_folder):
         live.stop()
 
 
+def slow_steps(live: LiveServer, seconds: float) -> None:
+    """Make every engine step take at least `seconds` longer, however fast the machine."""
+    step = live.engine.engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+    live.engine.engine.step = slow_step
+
+
 def test_request_timeout_and_prompt_limit(model_folder):
     live = LiveServer(model_folder, ServerOptions(MODEL_NAME, request_timeout=0.2), max_prompt_tokens=16)
+    slow_steps(live, 0.01)            # LONG's 4,000 steps take 40 s at least: the 0.2 s limit always cuts them
     try:
         with live.client(timeout=60) as http:
             too_long = http.post("/v1/completions", json={"prompt": [5] * 17, "max_tokens": 1})

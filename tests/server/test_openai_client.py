@@ -27,6 +27,9 @@ def count_tokens(server, **body) -> int:
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 def test_completion_with_usage_logprobs_and_n(client, server):
@@ -105,7 +108,7 @@ def test_named_tool_call_whole_and_streamed(client):
 def test_tool_result_round_trip_renders_and_json_mode_completes_the_reply(client):
     """A conversation holding a tool call and its result renders, and the JSON-mode reply after it is one complete
     JSON object. JSON mode only lets the end-of-message token through once the object is complete (structured.py),
-    so finish_reason "stop" with room to spare (seed 0 stops after 34 of the 400 tokens) implies json.loads succeeds.
+    so finish_reason "stop" with room to spare (seed 0 stops after 65 of the 400 tokens) implies json.loads succeeds.
     """
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None, "reasoning_content": "look it up",
@@ -119,7 +122,7 @@ def test_tool_result_round_trip_renders_and_json_mode_completes_the_reply(client
     assert isinstance(json.loads(choice.message.content), dict) and not choice.message.tool_calls
 
 
-@pytest.mark.parametrize("seed", [11, 14, 15])
+@pytest.mark.parametrize("seed", [0, 14, 15])
 def test_json_mode_returns_complete_json_objects(client, seed: int):
     """JSON mode, whole and streamed: finish_reason "stop" well inside max_tokens (seeds picked where the tiny model
     closes its object in 35-56 tokens), so the reply must parse as one JSON object, and the stream must carry the

@@ -33,7 +33,12 @@ def counter(http: httpx.Client, name: str, labels: str = "") -> float:
     (b"{not json", 400, None, "not valid JSON"),
     ({"prompt": 5}, 400, "prompt", "no accepted type"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "integer"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature", "greater than or equal"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature", "must be at least 0; got -1"),
+    ({"prompt": "hi", "top_p": 5}, 400, "top_p", "must be greater than 0 and at most 1; got 5"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream", "valid boolean"),
+    ({"prompt": "hi", "echo": 1}, 400, "echo", "valid boolean"),
+    ({"prompt": "hi", "best_of": 2}, 400, "best_of", "not supported"),
+    ({"prompt": "hi", "suffix": "!"}, 400, "suffix", "not supported"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": [5] * 60, "max_tokens": 10}, 400, "prompt", "60 tokens) plus max_tokens (10)"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "echo"),
@@ -61,6 +66,21 @@ def test_chat_errors(server):
         assert unknown.status_code == 400 and "'b'" in error_of(unknown)["message"]
 
 
+def test_generate_errors_name_the_field_and_its_range(small_context_server):
+    """SGLang's /generate: a bad value inside sampling_params (one object or a list of them) is named with the range
+    its field accepts (GenerateSampling's declaration)."""
+    cases = [({"max_new_tokens": -5}, "sampling_params.max_new_tokens", f"at least 1 and at most {2**63 - 1}"),
+             ([{"temperature": -1}], "sampling_params.0.temperature", "at least 0"),
+             ({"top_p": 0}, "sampling_params.top_p", "greater than 0 and at most 1")]
+    with small_context_server.client() as http:
+        for sampling, field, accepted in cases:
+            response = http.post("/generate", json={"text": "hi", "sampling_params": sampling})
+            error = error_of(response)
+            assert response.status_code == 400 and error["param"] == field
+            assert error["message"].startswith(f"{field} must be {accepted}; got ")
+        assert error_of(http.post("/generate", json={"text": "hi", "stream": "yes"}))["param"] == "stream"
+
+
 def test_tokenize_detokenize_models_health(server):
     with server.client() as http:
         ids = http.post("/tokenize", json={"prompt": "to be or not"}).json()
@@ -68,6 +88,10 @@ def test_tokenize_detokenize_models_health(server):
         text = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
         assert text.endswith("to be or not")
         assert http.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
+        assert http.get(f"/v1/models/{MODEL_NAME}").json() | {"created": 0} == \
+            http.get("/v1/models").json()["data"][0] | {"created": 0}
+        missing = http.get("/v1/models/gpt-4")
+        assert missing.status_code == 404 and error_of(missing)["type"] == "not_found_error"
         assert http.get("/health_generate").json() == {"status": "ok"}
         assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
 

@@ -100,6 +100,26 @@ def test_tokenize_with_a_folder_template_encodes_its_render(server, model_folder
     assert tokenize(server, **body)["tokens"] == tokenizer.encode(text)
 
 
+def test_the_tool_choice_note_is_written_only_for_a_tool_choice_given(k3_server, k3_folder):
+    """Moonshot's renderer writes the tool-choice note only for a tool_choice the caller passes; a plain chat, or
+    tools without a tool_choice, get none. Chat prompts are the /tokenize ids."""
+    decode = tiktoken_encoding(k3_folder).decode
+    note = '<|open|>message role="system" type="tool-choice"<|sep|>'
+    chat = CONVERSATION[:2]
+    for extras, noted in (({}, False), ({"tools": TOOLS}, False), ({"tools": TOOLS, "tool_choice": "none"}, True)):
+        ids = tokenize(k3_server, messages=chat, **extras)["tokens"]
+        assert (note in decode(ids)) == noted, extras
+        with k3_server.client() as http:
+            reply = http.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 1, **extras})
+        assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_reasoning_effort_minimal_is_k3s_lowest(k3_server):
+    low = tokenize(k3_server, messages=CONVERSATION[:2], reasoning_effort="low")["tokens"]
+    assert tokenize(k3_server, messages=CONVERSATION[:2], reasoning_effort="minimal")["tokens"] == low
+    assert tokenize(k3_server, messages=CONVERSATION[:2], reasoning_effort="medium")["tokens"] != low
+
+
 @pytest.mark.parametrize("extras", [
     {"tools": TOOLS, "reasoning_effort": "low"},
     {"tools": TOOLS, "tool_choice": "required"},

@@ -18,11 +18,16 @@ Key = tuple[int, int]
 """(bootstrap_room, index of the sequence among the request's n)."""
 
 
+class RoomInUse(Exception):
+    """A prefill request asked for a (room, index) that another prefill request holds."""
+
+
 @dataclass
 class _Slot:
     handoff: asyncio.Future = field(default_factory=asyncio.Future)    # the prefill side's Handoff
     outcome: asyncio.Future = field(default_factory=asyncio.Future)    # None once delivered, else the error
     timer: asyncio.TimerHandle | None = None
+    opened: bool = False                                               # a prefill request holds it
 
 
 class Outbox:
@@ -44,8 +49,13 @@ class Outbox:
 
     def open(self, key: Key) -> asyncio.Future:
         """The prefill side, before it computes key's prompt: the future of the transfer's outcome (None once
-        delivered, else a TransferError)."""
-        return self._slot(key).outcome
+        delivered, else a TransferError); RoomInUse if another prefill request holds key."""
+        slot = self._slot(key)
+        if slot.opened:
+            raise RoomInUse(f"bootstrap_room {key[0]} is already in use by another request on this prefill instance; "
+                            "give every request its own room.")
+        slot.opened = True
+        return slot.outcome
 
     def publish(self, key: Key, handoff: Handoff) -> None:
         """From any thread: the prefill side finished key's prompt."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from ..engine.async_engine import AsyncEngine
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
-from .outbox import Outbox
+from .outbox import Key, Outbox, RoomInUse
 from .transport import TransferBackend
 from .wire import TransferError
 
@@ -73,13 +73,26 @@ async def _interleaved(streams: list[AsyncIterator[RequestOutput]], watched: lis
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def prefill(engine: AsyncEngine, outbox: Outbox, request_id: str, prompt: str | list[int],
-                  params: SamplingParams, priority: int, timeout: float | None,
-                  room: int) -> AsyncIterator[RequestOutput]:
-    """Compute the prompt and first token of each sequence, hand each to the outbox under (room, j), and end once
-    every handoff reached its decode instance (TransferError if one did not)."""
+def prefill(engine: AsyncEngine, outbox: Outbox, request_id: str, prompt: str | list[int], params: SamplingParams,
+            priority: int, timeout: float | None, room: int) -> AsyncIterator[RequestOutput]:
+    """Take the outbox's keys (room, j) for the n sequences (RoomInUse, keeping none, if another request holds
+    one), then compute the prompt and first token of each, hand each to the outbox under its key, and end once every
+    handoff reached its decode instance (TransferError if one did not)."""
     keys = [(room, j) for j in range(params.n)]
-    outcomes = [outbox.open(key) for key in keys]
+    outcomes = []
+    try:
+        for key in keys:
+            outcomes.append(outbox.open(key))
+    except RoomInUse:
+        for key in keys[:len(outcomes)]:
+            outbox.finish(key, TransferError(f"the prefill request for bootstrap_room {room} was refused."))
+        raise
+    return _prefill(engine, outbox, request_id, prompt, params, priority, timeout, keys, outcomes)
+
+
+async def _prefill(engine: AsyncEngine, outbox: Outbox, request_id: str, prompt: str | list[int],
+                   params: SamplingParams, priority: int, timeout: float | None, keys: list[Key],
+                   outcomes: list[asyncio.Future]) -> AsyncIterator[RequestOutput]:
     streams = [engine.generate(f"{request_id}-{j}", prompt, _sequence_params(params, j), priority, timeout,
                                handoff=lambda handoff, key=key: outbox.publish(key, handoff))
                for j, key in enumerate(keys)]

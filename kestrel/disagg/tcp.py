@@ -72,16 +72,20 @@ class TcpBackend(TransferBackend):
 
     async def fetch(self, host: str, port: int, key: Key, timeout: float) -> Handoff:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        except (OSError, TimeoutError) as e:
+            async with asyncio.timeout(timeout):          # connecting, waiting for the prompt, and the transfer
+                return await self._fetch(host, port, key)
+        except TimeoutError:
+            raise TransferError(f"the prefill instance at {host}:{port} did not hand this request over within "
+                                f"{timeout:g} s (--disaggregation-timeout).") from None
+
+    async def _fetch(self, host: str, port: int, key: Key) -> Handoff:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as e:
             raise TransferError(f"cannot reach the prefill instance's bootstrap port {host}:{port} ({e}).") from None
         try:
             await write_frame(writer, {"room": key[0], "index": key[1]})
-            try:
-                header = await asyncio.wait_for(read_frame(reader), timeout)
-            except TimeoutError:
-                raise TransferError(f"the prefill instance at {host}:{port} did not hand this request over within "
-                                    f"{timeout:g} s (--disaggregation-timeout).") from None
+            header = await read_frame(reader)
             if "error" in header:
                 raise TransferError(f"the prefill instance failed this request: {header['error']}")
             try:

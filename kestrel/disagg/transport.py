@@ -1,5 +1,4 @@
-"""The interface every transfer backend implements, and the backends kestrel has (NIXL and Mooncake are absent: see
-README's PD section)."""
+"""The interface every transfer backend implements (backends.py names the implementations)."""
 
 from __future__ import annotations
 
@@ -19,16 +18,10 @@ class TransferBackend(ABC):
     @abstractmethod
     async def fetch(self, host: str, port: int, key: Key, timeout: float) -> Handoff:
         """Decode side: key's handoff from the prefill instance bootstrapped at host:port, its tensors verified;
-        TransferError if it cannot be had within timeout seconds, fails, or arrives corrupted."""
+        TransferError if it fails, arrives corrupted, or is not all here within timeout seconds of the call (one
+        deadline for connecting, waiting for the prompt and the transfer)."""
 
     @abstractmethod
     async def close(self) -> None:
         """Stop listening."""
 
-
-def transfer_backend(name: str) -> TransferBackend:
-    from .tcp import TcpBackend
-    backends = {"tcp": TcpBackend}
-    if name not in backends:
-        raise ValueError(f"the transfer backend {name!r} is not available; use one of {', '.join(backends)}.")
-    return backends[name]()

@@ -10,8 +10,10 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -25,7 +27,7 @@ from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .dp_scheduler import DPScheduler
-from .handoff import Handoff, handoff_parts, handoff_spec
+from .handoff import Handoff, handoff_parts, split_context
 from .model_runner import ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .ranks import Ranks, load_shard, model_drafter
@@ -86,7 +88,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self.model, self.plan, self.config, self.cache = shard.model, shard.plan, shard.model.config, shard.cache
-        self.handoff_cache = shard.handoff_cache
+        self.handoff_layout = shard.handoff_layout
         self.tokenizer = Tokenizer.from_folder_or_none(folder)
         if self.tokenizer is not None:
             self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -125,6 +127,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._compiling: dict[str, Future] = {}     # request id -> its grammar, compiling
         self._finished_on_arrival: list[Request] = []    # prefilled requests whose first token ended them
+        self._handing_off: list[Sequence] = []      # PD prefill side: ended at their first token, not handed off yet
+        self._recomputing: WeakKeyDictionary[Sequence, Handoff] = WeakKeyDictionary()  # prefilled, computed here
         self.spec_stats = SpecStats(args.speculative_num_draft_tokens)
         self.standalone = None
         if args.speculative_algorithm == "STANDALONE":
@@ -222,37 +226,55 @@ class LLMEngine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.context_length:
             raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                              f"context length of {self.context_length} tokens.")
-        pages = self.scheduler.kv_pool.pages_for(len(ids))
-        spec = {name: (t.shape, t.dtype) for name, t in handoff.tensors.items()}
-        if handoff.num_pages != pages or spec != handoff_spec(self.handoff_cache, pages) or \
-                not 0 <= handoff.first_token < self.config.vocab_size:
-            raise ValueError("the state handed over does not fit this engine's caches (another model, dtype or page "
-                             "size, or a DFlash draft's context pages on one side only).")
+        tensors = self._loadable(handoff, self.scheduler.kv_pool.pages_for(len(ids)))
         request = Request(request_id, None, ids, params, next(self._arrivals), priority)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = list(handoff.prompt_logprobs)
         self.requests[request_id] = request
         seq = self._new_sequence(request)
-        seq.prefilled = handoff
-        if params.structured_outputs is None:
+        if tensors is None:
+            log.info("request %s: the handoff holds no draft context for this instance's drafter; computing its "
+                     "prompt here", request_id)
+            self._recomputing[seq] = handoff
+        else:
+            seq.prefilled = replace(handoff, tensors=self.handoff_layout.entry(tensors))
+        if params.structured_outputs is not None:
+            self._compiling[request_id] = self.grammars.submit(params.structured_outputs)
+        elif seq.prefilled is not None:
             self._arrive(seq)
         else:
-            self._compiling[request_id] = self.grammars.submit(params.structured_outputs)
+            self.scheduler.add(seq)
+
+    def _loadable(self, handoff: Handoff, pages: int) -> dict[str, torch.Tensor] | None:
+        """The handoff's tensors this engine loads: the contract's (a ValueError if they do not fit its caches) and
+        the draft context its drafter reads; None where the drafter needs context the handoff lacks (or, with
+        several ranks, holds: their shards take none yet), so that the prompt is computed here."""
+        contract, context = split_context({name: (t.shape, t.dtype) for name, t in handoff.tensors.items()})
+        wanted, wanted_context = split_context(self.handoff_layout.spec(pages))
+        if handoff.num_pages != pages or contract != wanted or not 0 <= handoff.first_token < self.config.vocab_size:
+            raise ValueError("the state handed over does not fit this engine's caches (another model, dtype or page "
+                             "size); serve the same model at the same --dtype and --page-size on both instances.")
+        if not wanted_context:
+            return split_context(handoff.tensors)[0]
+        return handoff.tensors if context == wanted_context and self.ranks is None else None
 
     def _arrive(self, seq: Sequence) -> None:
-        """A prefilled sequence takes its first token (the prefill side's, with its logprobs), then waits for the
-        pools; a first token that ends it finishes the request at once."""
-        handoff = seq.prefilled
+        """A prefilled sequence takes its first token, then waits for the pools; a first token that ends it finishes
+        the request at once."""
+        self._take_first_token(seq, seq.prefilled)
+        if seq.status is Status.FINISHED:
+            self._finished_on_arrival.append(seq.request)
+        else:
+            self.scheduler.add(seq)
+
+    def _take_first_token(self, seq: Sequence, handoff: Handoff) -> None:
+        """Append the prefill side's first token to seq, with its logprobs and a seeded generator's state after it."""
         if seq.generator is not None and handoff.generator_state is not None:   # seeded: sample on where it was
             seq.generator.set_state(handoff.generator_state)
         if seq.logprobs is not None:
             seq.logprobs.append(handoff.first_logprobs)
             seq.cumulative_logprob += handoff.first_logprobs[handoff.first_token].logprob
         self._accept(seq, handoff.first_token)
-        if seq.status is Status.FINISHED:
-            self._finished_on_arrival.append(seq.request)
-        else:
-            self.scheduler.add(seq)
 
     def _check_handoff(self, params: SamplingParams) -> None:
         if len(self.scheduler.groups) > 1:
@@ -331,6 +353,7 @@ class LLMEngine:
             started = time.perf_counter()
             self._draft_from_hidden(computed, touched)
             self.spec_stats.draft_seconds += time.perf_counter() - started
+        self._hand_off_ended()
         for request_id, request in touched.items():
             if request.finished:
                 self.requests.pop(request_id, None)
@@ -368,9 +391,13 @@ class LLMEngine:
             if i in all_rows:
                 self._record_prompt_logprobs(chunk, chunk_logits)
             if chunk.samples:
+                touched[chunk.seq.request.request_id] = chunk.seq.request
+                handoff = self._recomputing.pop(chunk.seq, None)
+                if handoff is not None:             # a prefilled prompt computed here: the prefill side's token
+                    self._take_first_token(chunk.seq, handoff)
+                    continue
                 for seq in [chunk.seq, *self._fork(chunk.seq)]:
                     to_sample.append((seq, chunk_logits[-1]))
-                touched[chunk.seq.request.request_id] = chunk.seq.request
         if to_sample:
             self._sample_and_append(to_sample)
 
@@ -608,15 +635,31 @@ class LLMEngine:
             seq.detokenizer.finish()
             seq.text = seq.detokenizer.text
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq.request.handoff is not None:
-            self._hand_off(seq)
+        if seq.request.handoff is not None:     # read once this step's drafting wrote the last prompt position
+            self._handing_off.append(seq)
+            return
         self.scheduler.finish(seq)
+
+    def _hand_off_ended(self) -> None:
+        """Hand off the sequences that ended at their first token this step (unless drafting failed them since),
+        then free their memory."""
+        for seq in self._handing_off:
+            if seq.status is not Status.RUNNING:
+                continue
+            try:
+                self._hand_off(seq)
+            except Exception as e:
+                log.exception("request %s failed", seq.request.request_id)
+                self._fail(seq.request, f"the handoff failed: {type(e).__name__}: {e}")
+                continue
+            self.scheduler.finish(seq)
+        self._handing_off = []
 
     def _hand_off(self, seq: Sequence) -> None:
         """Read seq's state and prompt pages (after every cache write journaled before) for its handoff, in one
         process's layout (gathered from every rank of a distributed instance)."""
         request, pages = seq.request, seq.pages[:self.scheduler.kv_pool.pages_for(seq.num_computed)]
-        tensors = self.runner.save(handoff_parts(seq.slot, pages))
+        tensors = self.handoff_layout.named(self.runner.save(handoff_parts(seq.slot, pages)))
         request.handoff(Handoff(request.prompt_ids, seq.output_ids[0], tensors, len(pages),
                                 seq.logprobs[0] if seq.logprobs else None,
                                 seq.generator.get_state() if seq.generator is not None else None,

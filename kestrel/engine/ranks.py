@@ -39,6 +39,7 @@ from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
+from .handoff import HandoffLayout
 from .model_runner import Draft, ModelRunner, Save
 from .spec.block import BlockDrafter
 from .spec.dflash import DFlashDrafter
@@ -63,8 +64,7 @@ class RankShard:
     graphs: bool               # decode by CUDA graphs (one rank only); the pools then hold one scratch slot and page
     draft: BlockDraftModel | DFlashDraftModel | KimiForCausalLM | None = None   # DFLASH's draft or STANDALONE's,
     draft_cache: HybridCache | None = None                    # its weights (and caches) counted in the plan
-    handoff_cache: HybridCache | None = None   # the caches of one process's layout, which PD handoffs hold (with
-                                               # ranks: on the meta device, for their shapes)
+    handoff_layout: HandoffLayout | None = None   # one process's caches, as PD handoffs hold them
     hot_head: HotHead | None = None   # a model drafter's LM head cut to --speculative-token-map (in the plan)
 
 
@@ -151,9 +151,11 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     max_pages = -(-memory_plan.context_length // memory_plan.page_size)
     # every row starts as the scratch page (page 0 without graphs); the scratch slot's row stays so
     page_table = PageTable(slots + scratch, max_pages, fill=pages if graphs else 0, device=device)
-    handoff_cache = cache if layout.world_size == 1 else HybridCache.allocate(
-        config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta")
-    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_cache, hot_head)
+    context = "mtp" if args.speculative_algorithm == "NEXTN" else "dflash" if dflash else None
+    handoff_layout = HandoffLayout(HybridCache.allocate(
+        config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta", int(context == "mtp"), 1,
+        draft_layers, draft_width), len(config.mla_layers), context)
+    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_layout, hot_head)
 
 
 def _bytes_by_address(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from ..disagg import roles
-from ..disagg.outbox import Outbox
-from ..disagg.transport import transfer_backend
+from ..disagg.backends import transfer_backend
+from ..disagg.outbox import Outbox, RoomInUse
 from ..engine.async_engine import AsyncEngine
 from ..engine.outputs import RequestOutput
 from ..engine.sampling import SamplingParams
@@ -36,14 +36,18 @@ class PDRole:
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
                  bootstrap: tuple[str | None, int | None, int | None]) -> AsyncIterator[RequestOutput]:
-        """This side's outputs for one prompt; a 400 for a request the router did not send."""
+        """This side's outputs for one prompt; a 400 for a request the router did not send, a 409 for a prefill
+        request whose room another request holds."""
         host, port, room = bootstrap
         if host is None or port is None or room is None:
             raise ApiError(400, f"this is a {self.mode} instance: send requests through sglang_router "
                                 "--pd-disaggregation (bootstrap_host, bootstrap_port or bootstrap_room is missing).")
         timeout = self.options.request_timeout
         if self.mode == "prefill":
-            return roles.prefill(self.engine, self.outbox, request_id, prompt, params, priority, timeout, room)
+            try:
+                return roles.prefill(self.engine, self.outbox, request_id, prompt, params, priority, timeout, room)
+            except RoomInUse as e:
+                raise ApiError(409, str(e), "bootstrap_room") from e
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return roles.decode(self.engine, self.backend, request_id, ids, params, priority, timeout,
                             self.options.disaggregation_timeout, roles.Bootstrap(host, port, room))

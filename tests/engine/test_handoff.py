@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.args import EngineArgs
+from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
 from kestrel.engine.cache.device_ops import apply_ops
 from kestrel.engine.cache.hicache import pages_to_entry, slot_to_entry
 from kestrel.engine.engine import LLMEngine
-from kestrel.engine.handoff import Handoff
+from kestrel.engine.handoff import Handoff, split_context
 from kestrel.engine.structured import StructuredOutputsParams
-from helpers import assert_idle
+from helpers import assert_idle, write_draft
 
 VOCAB, PAGE = 320, 4
 
@@ -169,3 +169,61 @@ def test_seeded_sampling_across_the_handoff(engines, model_dir):
     assert handoff.generator_state is not None
     decoder.add_prefilled_request("seeded", handoff, params)
     assert run(decoder)["seeded"].outputs[0].token_ids == expected.token_ids
+
+
+SPECULATIVE = {"plain": {}, "NEXTN": {"speculative_algorithm": "NEXTN"}, "DFLASH": {"speculative_algorithm": "DFLASH"}}
+"""Instances of the bundled model (float32) that hand off to each other; DFLASH drafts with a published-layout
+DFlash draft, whose context rows are paged beside the target's latents (NEXTN's MTP layer has its own latents)."""
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory):
+    draft = tmp_path_factory.mktemp("dflash-draft")
+    write_draft(draft)
+    common = dict(model=str(BUNDLED_MODEL), dtype="float32", page_size=PAGE, chunked_prefill_size=8,
+                  speculative_num_draft_tokens=3, speculative_draft_model_path=str(draft))
+    return {name: LLMEngine(EngineArgs(**common, **kw)) for name, kw in SPECULATIVE.items()}
+
+
+@pytest.mark.parametrize("sender, receiver", [("plain", "NEXTN"), ("NEXTN", "plain"), ("plain", "DFLASH"),
+                                              ("DFLASH", "plain"), ("NEXTN", "NEXTN"), ("DFLASH", "DFLASH"),
+                                              ("NEXTN", "DFLASH")])
+def test_plain_and_speculative_instances_hand_off_to_each_other(instances, sender, receiver, caplog):
+    """The decode side answers as one plain instance (speculative greedy == plain greedy): the draft context
+    (MTP latents, DFlash rows) is no part of the contract; it is loaded where both sides have the same, and the
+    decode side computes the prompt itself where only it drafts from one."""
+    plain, prefiller, decoder = instances["plain"], instances[sender], instances[receiver]
+    tokenizer = plain.tokenizer
+    prompts = [tokenizer.encode(text) for text in ("KING.\nWhat news from France?\n\nMESSENGER.\n", "To be, or")]
+    for i, ids in enumerate(prompts):
+        plain.add_request(f"u{i}", ids, greedy(12))
+    unified = run(plain)
+    expected = {i: unified[f"u{i}"].outputs[0].token_ids for i in range(len(prompts))}
+    handoffs = [prefill(prefiller, f"p{i}", ids, greedy(12)) for i, ids in enumerate(prompts)]
+    context = {"NEXTN": ".mtp.", "DFLASH": ".dflash."}.get(sender)
+    assert all(any(context in k for k in h.tensors) if context else not split_context(h.tensors)[1]
+               for h in handoffs)
+    verified = decoder.spec_stats.verifications
+    with caplog.at_level("INFO", logger="kestrel"):
+        for i, handoff in enumerate(handoffs):
+            decoder.add_prefilled_request(f"d{i}", handoff, greedy(12))
+        finals = run(decoder)
+    assert {i: finals[f"d{i}"].outputs[0].token_ids for i in range(len(prompts))} == expected
+    assert ("computing its prompt here" in caplog.text) == (receiver not in ("plain", sender))
+    assert (decoder.spec_stats.verifications > verified) == (receiver != "plain")
+    for engine in (prefiller, decoder):
+        assert_idle(engine.scheduler)
+
+
+def test_a_nextn_handoff_carries_the_mtp_rows_of_every_prompt_position(instances):
+    """The MTP layer writes a position's row once the token after it is known: the rows of the prompt's last chunk
+    after the first token is sampled. A handoff holds every prompt position's row, as a prefill of the prompt and
+    that token writes them."""
+    engine = instances["NEXTN"]
+    ids = engine.tokenizer.encode("To be, or not to be, that is")
+    short = prefill(engine, "short", ids, greedy(1))
+    long = prefill(engine, "long", ids + [short.first_token], greedy(1))
+    rows = [(short.tensors[f"{p // PAGE + 1}.mtp.0.latent"][p % PAGE],
+             long.tensors[f"{p // PAGE + 1}.mtp.0.latent"][p % PAGE]) for p in range(len(ids))]
+    assert len(ids) > 8 and all(mine.abs().sum() > 0 and torch.allclose(mine, theirs, atol=1e-5)
+                                for mine, theirs in rows)

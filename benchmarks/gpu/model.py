@@ -1,4 +1,6 @@
-"""End-to-end decode and prefill of a Kimi-Linear-48B-shaped model (random bf16 weights) on one GPU.
+"""End-to-end decode and prefill of a Kimi-Linear-48B-shaped model (random weights, bf16 activations and caches) on
+one GPU, in the configuration benchmarks/gpu/sizing.py picks for the device (bf16 or MXFP4 routed experts, all
+layers or a stated cut).
 
 Decode is timed at several batch sizes over a context already in the cache (its pages and state slots are filled
 with random values rather than prefilled, which would take longer than the whole benchmark), eagerly and replayed
@@ -21,7 +23,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from kestrel.config import ModelConfig, load_config
+from benchmarks.gpu.sizing import Sizing
+from kestrel.config import ModelConfig
 from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.layers.batch import ForwardBatch
@@ -38,6 +41,10 @@ PAGE_SIZE = 64
 WARMUP_STEPS, DECODE_STEPS = 2, 8
 PREFILL_SEQS, PREFILL_LEN = 4, 2048
 VERIFY_BATCHES, VERIFY_TOKENS = (1, 32), 5
+PAGES_PER_SEQ = math.ceil((CONTEXT + WARMUP_STEPS + DECODE_STEPS + 1) / PAGE_SIZE)
+CACHE_SLOTS, CACHE_PAGES = max(BATCHES) + 1, max(BATCHES) * PAGES_PER_SEQ + 1
+"""The cache run_model allocates: a state slot and pages for each sequence of the largest batch, plus the scratch slot
+and page that graph padding writes to."""
 TRITON_KERNELS = {"_kda_decode_kernel": "kda", "_intra_chunk_kernel": "kda", "_state_scan_kernel": "kda",
                   "_partial_kernel": "attention", "_combine_kernel": "attention", "_scores_kernel": "attention",
                   "_gate_up_kernel": "moe", "_down_kernel": "moe", "_mix_norm_kernel": "norm"}
@@ -213,27 +220,39 @@ def prefill(model: KimiForCausalLM, cache: HybridCache, page_table: torch.Tensor
 
 
 @torch.inference_mode()
-def run_model(bandwidth_gbps: float) -> dict[str, Any]:
-    """Build the model, then time decode at each of BATCHES and one prefill; returns the section's results."""
-    config = load_config(MODEL)
+def run_model(bandwidth_gbps: float, sized: Sizing, deadline: float) -> dict[str, Any]:
+    """Build the sized model, then time decode at each of BATCHES, the verifications and one prefill; returns the
+    section's results. A part that would start after `deadline` (time.monotonic()) is left out and named in "left_out";
+    decode at the first batch size always runs."""
+    config = sized.config
     model = build_model(config, torch.bfloat16, "cuda").eval()
     fill_random(model)
-    pages_per_seq = math.ceil((CONTEXT + WARMUP_STEPS + DECODE_STEPS + 1) / PAGE_SIZE)
-    slots, pages = max(BATCHES), max(BATCHES) * pages_per_seq
+    slots, pages = CACHE_SLOTS - 1, CACHE_PAGES - 1
     cache = HybridCache.allocate(config, num_slots=slots + 1, num_pages=pages + 1, page_size=PAGE_SIZE,
                                  dtype=torch.bfloat16, device="cuda")              # the last: graph padding's
     fill_cache(cache)
-    page_table = torch.arange(pages, device="cuda").view(slots, pages_per_seq)
-    table = PageTable(slots + 1, pages_per_seq, fill=pages, device="cuda")   # scratch slot's row: scratch page
+    page_table = torch.arange(pages, device="cuda").view(slots, PAGES_PER_SEQ)
+    table = PageTable(slots + 1, PAGES_PER_SEQ, fill=pages, device="cuda")   # scratch slot's row: scratch page
     for slot in range(slots):
         table.set(slot, 0, page_table[slot].tolist())
     table.flush()
     graphs = DecodeGraphs(model, cache, table, max(BATCHES), scratch_slot=slots)
     one_step = ForwardBatch.build([1], [CONTEXT], [0], page_table[:1], PAGE_SIZE, "cuda")
     backends = backends_used(lambda: model(torch.zeros(1, dtype=torch.long, device="cuda"), one_step, cache))
-    decode = [decode_batch(model, cache, graphs, b, bandwidth_gbps, page_table) for b in BATCHES]
+    left_out: list[str] = []
+
+    def in_time(part: str) -> bool:
+        if time.monotonic() < deadline:
+            return True
+        left_out.append(part)
+        return False
+
+    decode = [decode_batch(model, cache, graphs, b, bandwidth_gbps, page_table) for b in BATCHES
+              if b == BATCHES[0] or in_time(f"decode at batch {b}")]
     step_ms = {d["batch"]: d["step_ms"] for d in decode}
-    verify = [verify_batch(model, cache, b, page_table, step_ms[b]) for b in VERIFY_BATCHES]
-    return dict(model=MODEL, parameters_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
-                backends=backends, decode=decode, verify=verify, prefill=prefill(model, cache, page_table),
+    verify = [verify_batch(model, cache, b, page_table, step_ms[b]) for b in VERIFY_BATCHES
+              if b in step_ms and in_time(f"verification at batch {b}")]
+    prefilled = prefill(model, cache, page_table) if in_time("prefill") else None
+    return dict(model=MODEL, parameters_b=round(sized.parameters / 1e9, 2), backends=backends, decode=decode,
+                verify=verify, prefill=prefilled, left_out=left_out,
                 peak_memory_gb=round(torch.cuda.max_memory_allocated() / 1e9, 1))

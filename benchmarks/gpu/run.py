@@ -1,15 +1,22 @@
-"""The one-command GPU benchmark, budgeted for 8.5 minutes on one H200: the serving engine's correctness checks on
-the bundled model (seeded sampling; decode replayed from CUDA graphs against eager decode at every captured batch
-size, token for token; TP2 over two rank processes, sharing the GPU when there is one, against one process), copy
-bandwidth, every Triton kernel against its torch reference, KDA prefill against fla's
-chunk_kda (when fla imports), and end-to-end decode and prefill of a Kimi-Linear-48B-shaped model with the fraction
-of the bandwidth bound reached, and a speculative verification's cost against its decode step.
+"""The one-command GPU benchmark: the serving engine's correctness checks on the bundled model (seeded sampling;
+decode replayed from CUDA graphs against eager decode at every captured batch size, token for token; TP2 over two
+rank processes, sharing the GPU when there is one, against one process), copy bandwidth, every Triton kernel against
+its torch reference, KDA prefill against fla's chunk_kda (when fla imports), and end-to-end decode and prefill of a
+Kimi-Linear-48B-shaped model with the fraction of the bandwidth bound reached, and a speculative verification's cost
+against its decode step.
+
+Budgeted for the device tool's default machine: one H100 80GB (~78 GiB usable), lent for 15 minutes of device time
+in all, start-up included. So the script ends within about 7 minutes (no part starts after DEADLINE_S), leaving room
+to run it once more. The end-to-end model is sized to the free memory it finds (benchmarks/gpu/sizing.py): on an
+H100 its routed experts are MXFP4, as the K3 family ships them; an H200 (~139 GiB) holds them in bf16, as
+Kimi-Linear-48B is published.
 
 Writes $OUT/gpu-results.json (every number, the device, the software, any section's error), $OUT/gpu-results.md
-(the section of docs/benchmarks.md) and, once decode was measured, an evidence record under $OUT/evidence/ (copy it
-to evidence/ to put it in the cookbook's matrix); OUT defaults to ./gpu-results. The first two are rewritten after
-every section, so a run cut short keeps what it measured. A failing case is recorded and the run goes on; sections
-that would start past their time budget are recorded as skipped.
+(the section of docs/benchmarks.md) and, once decode of the whole model was measured, an evidence record under
+$OUT/evidence/ (copy it to evidence/ to put it in the cookbook's matrix); OUT defaults to ./gpu-results. The first
+two are rewritten after every section, so a run cut short keeps what it measured. Each section records its own
+outcome: a failing case or section is recorded and the run goes on; sections that would start past their time
+budget are recorded as skipped.
 
 Run from the repository root: python3 benchmarks/gpu/run.py
 Then, on any machine: python3 benchmarks/gpu/run.py --write-doc gpu-results/gpu-results.json writes the "gpu"
@@ -19,6 +26,7 @@ section of docs/benchmarks.md from those results (without a file, the section sa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -33,32 +41,35 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu import engine_checks, kernels, model  # noqa: E402
+from benchmarks.gpu import engine_checks, kernels, model, sizing  # noqa: E402
 from benchmarks.gpu.timing import copy_bandwidth_gbps  # noqa: E402
 from benchmarks.report import DOC, markdown_table, write_section  # noqa: E402
+from kestrel.config import load_config  # noqa: E402
 from kestrel.cookbook.evidence import Record, fingerprint, git_state, now, software_versions, write_record  # noqa: E402
+from kestrel.cookbook.hardware import device_for_cuda_name  # noqa: E402
 from kestrel.ops import backend  # noqa: E402
 
 START = time.monotonic()
-KERNELS_UNTIL_S = 240
-"""No kernel case starts after this many seconds, nor the fla comparison after KERNELS_UNTIL_S + 30; the engine
+KERNELS_UNTIL_S = 180
+"""No kernel case starts after this many seconds, nor the fla comparison after KERNELS_UNTIL_S + 20; the engine
 checks before them need about a minute."""
-MODEL_UNTIL_S = 300
+MODEL_UNTIL_S = 210
 """The end-to-end section starts only before this many seconds (it needs about three minutes)."""
+DEADLINE_S = 390
+"""No part of the end-to-end section after its first decode starts after this many seconds."""
 COMMAND = "python3 benchmarks/gpu/run.py"
-NOT_MEASURED = ("## GPU (one H200): not measured\n\n"
+NOT_MEASURED = ("## GPU: not measured\n\n"
                 "No GPU run has been made yet: no session with a GPU has run `{command}`, so this section has no "
-                "numbers. That one command (about 8.5 minutes on one H200) checks the serving engine on the bundled "
+                "numbers. That one command (about 7 minutes on one H100) checks the serving engine on the bundled "
                 "model (seeded sampling on the GPU; decode replayed from CUDA graphs against eager decode at batch "
                 "sizes 1, 2, 4, 8 and 16, token for token), measures the device's copy bandwidth, every Triton kernel "
                 "against its torch reference (time, GB/s or TFLOP/s, error), KDA prefill against fla's `chunk_kda` "
-                "where fla imports, and decode of a Kimi-Linear-48B-shaped model (random bf16 weights, context 2,048) "
+                "where fla imports, and decode of a Kimi-Linear-48B-shaped model (random weights, routed experts in "
+                "MXFP4 on an H100 and bf16 on an H200, context 2,048) "
                 "at batch 1, 32 and 128, eagerly and from CUDA graphs, with the fraction of the bandwidth bound each "
                 "reaches, plus prefill throughput; then `{command} --write-doc gpu-results/gpu-results.json` writes "
                 "its tables here. Targets: decode at batch 1 at 80% or more of the bandwidth bound; KDA prefill at "
                 "least as fast as fla.").format(command=COMMAND)
-H200_SPEC_GBPS = 4800
-"""H200 HBM3e bandwidth as specified; the bound uses the measured copy bandwidth, this is for reference."""
 
 
 def elapsed() -> float:
@@ -113,7 +124,7 @@ def kernel_row(make: Callable[[], kernels.Case]) -> dict[str, Any]:
 
 
 def fla_row() -> dict[str, Any]:
-    if elapsed() > KERNELS_UNTIL_S + 30:
+    if elapsed() > KERNELS_UNTIL_S + 20:
         return {"skipped": "time budget"}
     try:
         import fla.ops.kda  # noqa: F401
@@ -122,10 +133,27 @@ def fla_row() -> dict[str, Any]:
     return attempt(kernels.fla_prefill_row)
 
 
-def model_section(bandwidth: float) -> dict[str, Any]:
+def model_sizing() -> sizing.Sizing:
+    """The largest configuration of the model that fits the device's free memory now."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    sized = sizing.choose(load_config(model.MODEL), free, model.CACHE_SLOTS, model.CACHE_PAGES * model.PAGE_SIZE)
+    print(f"end-to-end: {sized.describe()}, an estimated {sized.estimated_bytes / sizing.GIB:.1f} GiB of "
+          f"{free / sizing.GIB:.1f} GiB free", flush=True)
+    return sized
+
+
+def model_section(bandwidth: float | dict[str, Any]) -> dict[str, Any]:
+    """The end-to-end section: its sizing, then its results (or the error of either)."""
     if elapsed() > MODEL_UNTIL_S:
         return {"skipped": "time budget"}
-    return attempt(lambda: model.run_model(bandwidth))
+    if isinstance(bandwidth, dict):
+        return {"skipped": "no copy bandwidth to bound decode by (its measurement failed)"}
+    sized = attempt(model_sizing)
+    if not isinstance(sized, sizing.Sizing):
+        return sized
+    return {"sizing": sized.as_dict(), **attempt(lambda: model.run_model(bandwidth, sized, START + DEADLINE_S))}
 
 
 def seeded_markdown(seeded: dict[str, Any]) -> str:
@@ -171,11 +199,27 @@ def tp_markdown(tp: dict[str, Any]) -> str:
             + (f"; request {mismatch['request']} differs first at token {mismatch['token']}." if mismatch else "."))
 
 
+def bandwidth_text(device_name: str, measured: float | dict[str, Any]) -> str:
+    """The measured copy bandwidth (or its error) beside the catalog's specification of the device."""
+    if isinstance(measured, dict):
+        return f"copy bandwidth not measured ({measured.get('error')})"
+    device = device_for_cuda_name(device_name)
+    spec = device.bandwidth_bytes_per_s if device else None
+    return f"copy bandwidth {measured} GB/s (read + write" + (f"; {device.id} spec {spec / 1e9:,.0f})" if spec else ")")
+
+
+def sizing_text(sized: dict[str, Any]) -> str:
+    """What the end-to-end section built, as benchmarks/gpu/sizing.py chose it."""
+    return (f"Built with {sized['described']}: an estimated {sized['estimated_gb']} GB on the device "
+            f"({sized['weight_gb']} GB of weights, {sized['cache_gb']} GB of caches, the rest workspace; chosen by "
+            "benchmarks/gpu/sizing.py from the free memory).")
+
+
 def markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [f"## GPU: the engine, Triton kernels and end-to-end decode ({env['device']})", "",
              f"{env['started']}; torch {env['versions']['torch']}, triton {env['versions']['triton']}; "
-             f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s (read + write; H200 spec {H200_SPEC_GBPS}). "
+             f"{bandwidth_text(env['device'], results['copy_bandwidth_gbps'])}. "
              f"Rerun: `{COMMAND}`, then `{COMMAND} --write-doc gpu-results/gpu-results.json`.", ""]
     lines += engine_markdown(results["engine"])
     done = [r for r in results["kernels"] if "triton_ms" in r]
@@ -196,7 +240,8 @@ def markdown(results: dict[str, Any]) -> str:
     else:
         lines.append(f"- {fla.get('skipped') or fla.get('error')}")
     e2e = results["model"]
-    lines += ["", "### End-to-end decode (Kimi-Linear-48B shape, random bf16 weights)", ""]
+    lines += ["", "### End-to-end decode (Kimi-Linear-48B shape, random weights)", ""]
+    lines += [sizing_text(e2e["sizing"]), ""] if "sizing" in e2e else []
     if "decode" not in e2e:
         return "\n".join(lines + [f"- {e2e.get('skipped') or e2e.get('error')}"])
     lines += [f"Backends that ran: {', '.join(f'{k} {v}' for k, v in e2e['backends'].items())}; "
@@ -216,7 +261,9 @@ def markdown(results: dict[str, Any]) -> str:
                       [[v["batch"], v["tokens_per_seq"], v["verify_ms"], v["decode_ms"], v["break_even_tokens"]]
                        for v in e2e["verify"]]), ""]
     p = e2e["prefill"]
-    lines += [f"Prefill: {p['sequences']} x {p['length']} tokens in {p['ms']} ms, {p['tokens_per_s']} tokens/s."]
+    lines += [f"Prefill: {p['sequences']} x {p['length']} tokens in {p['ms']} ms, {p['tokens_per_s']} tokens/s."] \
+        if p else []
+    lines += [f"- left out (time budget): {', '.join(e2e['left_out'])}"] if e2e["left_out"] else []
     return "\n".join(lines)
 
 
@@ -229,8 +276,8 @@ def evidence_record(e2e: dict[str, Any], checks: dict[str, Any]) -> Record:
     return Record(
         recipe=f"{model.MODEL}/{hardware_id}/unified/low-latency", hardware_id=hardware_id, hardware=hardware,
         software=software_versions(), git=git_state(), command="python3 benchmarks/gpu/run.py", created=now(),
-        engine_args={"model": f"random {model.MODEL}-shaped weights (bf16)", "device": "cuda",
-                     "page_size": model.PAGE_SIZE, "cuda_graphs": "graph_error" not in single,
+        engine_args={"model": f"random {model.MODEL}-shaped weights ({e2e['sizing']['experts']} routed experts)",
+                     "device": "cuda", "page_size": model.PAGE_SIZE, "cuda_graphs": "graph_error" not in single,
                      "backends": e2e["backends"]},
         benchmark={"workload": {"decode_context": single["context"], "batch": single["batch"],
                                 "steps": model.DECODE_STEPS, "weights": "random"},
@@ -262,8 +309,9 @@ def measure() -> None:
                                "engine": {"seeded_sampling": {"skipped": "not run"},
                                           "cuda_graphs": {"skipped": "not run"},
                                           "tensor_parallel": {"skipped": "not run"}}}
-    results["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(), 1)
-    print(f"copy bandwidth {results['copy_bandwidth_gbps']} GB/s", flush=True)
+    bandwidth = attempt(copy_bandwidth_gbps)
+    results["copy_bandwidth_gbps"] = bandwidth if isinstance(bandwidth, dict) else round(bandwidth, 1)
+    print(f"copy bandwidth (GB/s): {json.dumps(results['copy_bandwidth_gbps'])}", flush=True)
     save(results, out)
     results["engine"] = engine_section()
     print(json.dumps(results["engine"]), flush=True)
@@ -277,7 +325,7 @@ def measure() -> None:
     results["model"] = model_section(results["copy_bandwidth_gbps"])
     print(json.dumps(results["model"]), flush=True)
     save(results, out)
-    if "decode" in results["model"]:
+    if "decode" in results["model"] and not results["model"]["sizing"]["cut"]:
         record = evidence_record(results["model"], results["engine"])
         print(f"evidence: {write_record(record, out / 'evidence')}", flush=True)
     print(f"done in {results['seconds']} s; results in {out}", flush=True)

@@ -20,12 +20,13 @@ from .matrix import matrix_markdown, matrix_rows
 from .model import DTYPES, model_choices
 from .planner import DEFAULT_BATCHES, ENGINES, HICACHE_CHOICES, PlanRequest, plan
 from .publish import write_docs
-from .recipes import QUANTS, STRATEGIES, RecipeRequest, base_requests, make_recipe
+from .recipe_request import QUANTS, STRATEGIES, RecipeRequest
+from .recipes import base_requests, make_recipe
 from .text import plan_text, recipe_text
 from .verify import SmokeSettings, verify
 from .web import build_site
 
-DEFAULT_AVG_REQUEST_LEN = 11264
+AVG_REQUEST_LEN_HELP = "input + output tokens (default: SGLang's calculator's 11,264, or the model's context if less)"
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -70,7 +71,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-decode-lock", action="store_true", help="SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK=1")
     p.add_argument("--mode", choices=MODES, default="unified", help="PD role")
     p.add_argument("--hicache", choices=HICACHE_CHOICES, default="off")
-    p.add_argument("--avg-request-len", type=int, default=DEFAULT_AVG_REQUEST_LEN, help="input + output tokens")
+    p.add_argument("--avg-request-len", type=int, default=None, help=AVG_REQUEST_LEN_HELP)
     p.add_argument("--mem-fraction", type=float, default=0.85, help="--mem-fraction-static")
     p.add_argument("--ratio", type=float, default=None, help="pin --mamba-full-memory-ratio instead of balancing")
     p.add_argument("--max-running-requests", type=int, default=None, help="whole server (divided per DP worker)")
@@ -121,7 +122,7 @@ def _add_recipe(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--spec", choices=SPEC_MODES, default="none", help="speculative decoding (mtp = DSPARK)")
     p.add_argument("--hicache", choices=HICACHE_CHOICES, default="off")
     p.add_argument("--quant", choices=QUANTS, default=None, help="default: the hardware's checkpoint")
-    p.add_argument("--avg-request-len", type=int, default=DEFAULT_AVG_REQUEST_LEN)
+    p.add_argument("--avg-request-len", type=int, default=None, help=AVG_REQUEST_LEN_HELP)
     p.add_argument("--list", action="store_true", help="list the recipe ids the anchors offer")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_recipe)

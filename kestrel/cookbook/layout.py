@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..distributed.layout import ParallelLayout
+from .first_rank import FirstRank
 from .hardware import Device
 from .model import ModelFacts
 
@@ -49,21 +50,6 @@ class Layout:
         parts += [f"{name}{size}" for name, size in (("DP", self.dp), ("EP", self.ep), ("PP", self.pp),
                                                      ("DCP", self.dcp)) if size > 1]
         return " x ".join(parts)
-
-
-@dataclass(frozen=True)
-class FirstRank:
-    """Rank 0 of a layout as the engine's sharding rules see it (kestrel.distributed.sharding.Axes): attention and
-    the vocabulary over the attention-TP group, dense MLPs over the TP group, experts by EP and the rest of the TP
-    group. `sglang`: SGLang's runtime, which replicates a few tensors kestrel splits (model.SGLANG_REPLICATED)."""
-
-    attention_tp: int
-    tp: int
-    ep: int
-    sglang: bool
-
-    def axis(self, name: str) -> tuple[int, int]:
-        return 0, {"attn_tp": self.attention_tp, "tp": self.tp, "ep": self.ep, "moe_tp": self.tp // self.ep}[name]
 
 
 def check_layout(layout: Layout, model: ModelFacts) -> None:

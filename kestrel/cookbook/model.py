@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass
 from functools import cache
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +32,7 @@ from ..models.checkpoint import build_model
 from ..models.inspect import inspect_config
 from ..models.presets import PRESETS, tiny_config
 from .calculator import replayssm_ring_bytes_per_layer
-
-if TYPE_CHECKING:
-    from .layout import FirstRank
+from .first_rank import FirstRank
 
 EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED = "experts", "attention", "dense", "vocab", "replicated"
 SHARDINGS = (EXPERTS, ATTENTION, DENSE, VOCAB, REPLICATED)

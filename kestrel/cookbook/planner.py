@@ -43,7 +43,7 @@ class PlanRequest:
     nodes: int | None = None
     cache: CacheSettings = field(default_factory=CacheSettings)
     hicache: str = "off"
-    avg_request_len: int = 11264
+    avg_request_len: int | None = None          # input + output tokens (None: the calculator's, within the context)
     mem_fraction: float = 0.85
     ratio: float | None = None                  # a pinned --mamba-full-memory-ratio instead of the balanced one
     max_running_requests: int | None = None     # whole server (SGLang divides it per attention-DP worker)
@@ -171,7 +171,7 @@ def resolve_cache(request: PlanRequest) -> CacheSettings:
 def _check_request(request: PlanRequest) -> None:
     if not 0 < request.mem_fraction <= 1:
         raise ValueError(f"--mem-fraction must be in (0, 1], got {request.mem_fraction}.")
-    if request.avg_request_len < 1:
+    if request.avg_request_len is not None and request.avg_request_len < 1:
         raise ValueError(f"--avg-request-len must be at least 1 token, got {request.avg_request_len}.")
     if request.engine not in ENGINES:
         raise ValueError(f"unknown engine {request.engine!r}; choose one of: {', '.join(ENGINES)}.")
@@ -186,6 +186,18 @@ def _check_request(request: PlanRequest) -> None:
                              f"workers (SGLang gives each {name} // dp); raise it to at least {request.layout.dp}.")
     if any(b < 1 for b in request.batches):
         raise ValueError("every --batch size must be at least 1.")
+
+
+def _sized_request(request: PlanRequest, model: ModelFacts) -> PlanRequest:
+    """`request` with its average request length set when None: SGLang's calculator's default, or the model's context
+    when that is shorter (no request is longer than the context); a ValueError for a given length beyond it."""
+    context, length = model.config.max_position_embeddings, request.avg_request_len
+    if length is None:
+        return replace(request, avg_request_len=min(calculator_constants()["default_avg_request_len"], context))
+    if length > context:
+        raise ValueError(f"--avg-request-len {length:,} exceeds the model's context of {context:,} tokens (no request "
+                         f"is longer); pass at most {context}.")
+    return request
 
 
 def _stage_weights(model: ModelFacts, layout: Layout, engine: str) -> list[dict[str, int]]:
@@ -424,6 +436,7 @@ def plan(request: PlanRequest) -> Plan:
     layout = request.layout
     device = local_cpu(layout.world) if request.hardware == CPU else get_device(request.hardware)
     model = model_facts(request.model, request.dtype)
+    request = _sized_request(request, model)
     check_layout(layout, model)
     if request.engine == "kestrel":
         check_kestrel_layout(request, model)

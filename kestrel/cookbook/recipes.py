@@ -16,64 +16,13 @@ from typing import Any
 from ..engine.args import BUNDLED_MODEL
 from . import sglang_recipe, vllm_recipe
 from .anchors import anchors
-from .calculator import MODES, SPEC_MODES, CacheSettings, ratio_text
-from .hardware import CPU, catalog
+from .calculator import MODES, CacheSettings, ratio_text
+from .hardware import CPU
 from .layout import Layout
-from .planner import HICACHE_CHOICES, Plan, PlanRequest, plan
-from .sglang_recipe import RecipeRefused
+from .planner import Plan, PlanRequest, plan
+from .recipe_request import STRATEGIES, RecipeRefused, RecipeRequest
 
-STRATEGIES = ("low-latency", "high-concurrency", "balanced", "high-throughput")
-QUANTS = ("mxfp4", "nvfp4", "w4a8")
 ENGINES = ("kestrel", "sglang", "vllm")
-
-
-@dataclass(frozen=True)
-class RecipeRequest:
-    """One choice in the generator; `quant` None takes the hardware's default checkpoint."""
-
-    model: str = "k3"
-    hardware: str = "b300"
-    mode: str = "unified"
-    strategy: str = "low-latency"
-    spec: str = "none"
-    hicache: str = "off"
-    quant: str | None = None
-    avg_request_len: int = 11264
-
-    @property
-    def id(self) -> str:
-        options = [f"{k}={v}" for k, v in (("spec", self.spec), ("hicache", self.hicache), ("quant", self.quant))
-                   if v not in ("none", "off", None)]
-        return ",".join([f"{self.model}/{self.hardware}/{self.mode}/{self.strategy}", *options])
-
-    @classmethod
-    def from_id(cls, recipe_id: str, avg_request_len: int = 11264) -> RecipeRequest:
-        """Parse an id made by `.id`."""
-        head, *options = recipe_id.split(",")
-        parts = head.split("/")
-        if len(parts) != 4:
-            raise ValueError(f"a recipe id looks like model/hardware/mode/strategy[,spec=mtp][,hicache=host]"
-                             f"[,quant=nvfp4], got {recipe_id!r}.")
-        extra = {}
-        for option in options:
-            key, _, value = option.partition("=")
-            if key not in ("spec", "hicache", "quant") or not value:
-                raise ValueError(f"unknown recipe option {option!r} in {recipe_id!r}; options are spec=, hicache=, "
-                                 "quant=.")
-            extra[key] = value
-        model, hardware, mode, strategy = parts
-        return cls(model=model, hardware=hardware, mode=mode, strategy=strategy, avg_request_len=avg_request_len,
-                   **extra)
-
-    def check(self) -> None:
-        for name, value, choices in (("mode", self.mode, MODES), ("strategy", self.strategy, STRATEGIES),
-                                     ("spec", self.spec, SPEC_MODES), ("hicache", self.hicache, HICACHE_CHOICES)):
-            if value not in choices:
-                raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}.")
-        if self.quant is not None and self.quant not in QUANTS:
-            raise ValueError(f"unknown quant {self.quant!r}; choose one of: {', '.join(QUANTS)}.")
-        if self.hardware != CPU and self.hardware not in catalog():
-            raise ValueError(f"unknown hardware {self.hardware!r}; choose one of: {', '.join([*catalog(), CPU])}.")
 
 
 @dataclass(frozen=True)
@@ -294,7 +243,8 @@ def _offered(request: RecipeRequest) -> bool:
 
 def base_requests(models: tuple[str, ...] = ("k3", "k3.1-pro"), cpu: bool = True) -> list[RecipeRequest]:
     """Every lane the anchors offer with default options (no HiCache, default checkpoint; no speculation, or DSPARK
-    where the page offers nothing else: the NPU recipes), in the order of the anchor cells, then the CPU recipes."""
+    where the page offers nothing else: the NPU recipes), in the order of the anchor cells, then the CPU recipes (one
+    device per instance: Unified and each PD role)."""
     requests = []
     devices = [d for entry in anchors()["hardware"].values() for d in entry["catalog"]]
     for model, device, mode, strategy in itertools.product(models, devices, MODES, STRATEGIES):
@@ -304,5 +254,6 @@ def base_requests(models: tuple[str, ...] = ("k3", "k3.1-pro"), cpu: bool = True
                 requests.append(request)
                 break
     if cpu:
-        requests += [RecipeRequest(model=m, hardware=CPU) for m in anchors()["kestrel"]["cpu_models"]]
+        requests += [RecipeRequest(model=m, hardware=CPU, mode=mode) for m in anchors()["kestrel"]["cpu_models"]
+                     for mode in MODES]
     return requests

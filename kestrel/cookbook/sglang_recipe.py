@@ -9,23 +9,16 @@ reference did not recover is refused as unknown, never filled in from K3's page.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .anchors import anchors, calculator_constants
 from .calculator import CacheSettings
 from .flags import Flags, drop_flags, flag_value, has_flag, merge_flags, parse_flags, render_flags, set_flag
 from .layout import Layout
 from .planner import PlanRequest
-
-if TYPE_CHECKING:
-    from .recipes import RecipeRequest
-
+from .recipe_request import RecipeRefused, RecipeRequest
 
 REPLAY_FLAG = "--enable-linear-replayssm-spec"
-
-
-class RecipeRefused(ValueError):
-    """The anchors do not support this combination; the message says why."""
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def recipe_text(recipe: Recipe) -> str:
              f"  lane: {recipe.lane}; SGLang page: {recipe.sglang_status or 'no SGLang cell'}",
              f"  layout: {plan.request.layout.describe()} on {recipe.nodes} x {recipe.per_node} "
              f"({plan.nodes.devices} device{'s' if plan.nodes.devices != 1 else ''})",
-             f"  memory ratio pinned: {recipe.ratio_text} (average request {recipe.request.avg_request_len:,} tokens)",
+             f"  memory ratio pinned: {recipe.ratio_text} (average request {plan.request.avg_request_len:,} tokens)",
              f"  plan: {gb(plan.weight_bytes_per_rank_total)} weights per rank; "
              + (f"{plan.pools.kv_tokens:,} KV tokens and {plan.admitted_requests:,} requests admitted"
                 if plan.pools else "pools unknown")]

@@ -9,14 +9,12 @@ count and node layout are those of the matching SGLang cell.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .anchors import anchors
 from .flags import Flags, merge_flags, parse_flags, render_flags
-from .sglang_recipe import RecipeRefused, SGLangCell
-
-if TYPE_CHECKING:
-    from .recipes import RecipeRequest
+from .recipe_request import RecipeRefused, RecipeRequest
+from .sglang_recipe import SGLangCell
 
 
 @dataclass(frozen=True)

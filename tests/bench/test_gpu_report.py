@@ -10,8 +10,10 @@ import re
 
 import pytest
 
-from benchmarks.gpu import engine_checks, run
+from benchmarks.gpu import engine_checks, model, run, sizing
+from benchmarks.gpu.sizing import GIB
 from benchmarks.report import DOC
+from kestrel.config import load_config
 from kestrel.cookbook.evidence import read_record, write_record
 from kestrel.cookbook.matrix import RUNS, matrix_rows
 from kestrel.engine import engine as engine_module
@@ -40,12 +42,16 @@ RESULTS = {
     "kernels": [{"op": "kda_decode", "shape": "B=32", "triton_ms": 0.1, "torch_ms": 1.0, "speedup": 10.0,
                  "triton_gbps": 3000, "triton_tflops": 0.5, "max_rel_error": 1e-3}],
     "fla_prefill": {"skipped": "fla does not import here"},
-    "model": {"backends": {"kda": "triton", "attention": "triton", "moe": "triton", "norm": "triton"},
+    "model": {"sizing": {"experts": "bf16", "layers": 27, "full_layers": 27, "cut": False,
+                         "described": "bf16 routed experts, all 27 layers", "weight_gb": 98.25, "cache_gb": 7.78,
+                         "estimated_gb": 118.91},
+              "backends": {"kda": "triton", "attention": "triton", "moe": "triton", "norm": "triton"},
               "parameters_b": 48.9, "peak_memory_gb": 110.0, "decode": DECODE,
               "verify": [{"batch": 1, "tokens_per_seq": 5, "verify_ms": 6.0, "decode_ms": 4.0,
                           "break_even_tokens": 1.5}],
-              "prefill": {"sequences": 4, "length": 2048, "ms": 900.0, "tokens_per_s": 9102}},
+              "prefill": {"sequences": 4, "length": 2048, "ms": 900.0, "tokens_per_s": 9102}, "left_out": []},
 }
+CACHE = dict(slots=model.CACHE_SLOTS, cache_tokens=model.CACHE_PAGES * model.PAGE_SIZE)
 
 
 def test_markdown_has_eager_and_graph_decode_columns_and_graph_failures():
@@ -73,6 +79,55 @@ def test_markdown_reports_the_engine_checks():
     assert "CUDA graphs against eager decode: not run." in text
 
 
+def test_markdown_says_how_the_model_was_sized_and_what_the_time_budget_left_out():
+    text = run.markdown(RESULTS)
+    assert "Built with bf16 routed experts, all 27 layers: an estimated 118.91 GB on the device (98.25 GB of weights" \
+        in text
+    assert "copy bandwidth 4300.0 GB/s (read + write; h200 spec 4,800)" in text and "left out" not in text
+    cut = {"experts": "mxfp4", "layers": 12, "full_layers": 27, "cut": True, "weight_gb": 13.0, "cache_gb": 3.0,
+           "described": "mxfp4 routed experts, its first 12 of 27 layers (cut to fit the device)", "estimated_gb": 29.1}
+    e2e = {**RESULTS["model"], "sizing": cut, "prefill": None, "left_out": ["verification at batch 32", "prefill"]}
+    text = run.markdown({**RESULTS, "model": e2e})
+    assert "Built with mxfp4 routed experts, its first 12 of 27 layers (cut to fit the device)" in text
+    assert "Prefill:" not in text and "- left out (time budget): verification at batch 32, prefill" in text
+
+
+def test_sizing_fits_one_h100_with_mxfp4_experts_and_an_h200_with_bf16():
+    """98.24 GB of bf16 weights (`kestrel inspect kimi-linear-48b`) do not fit one H100's ~78 GiB: MXFP4 experts do,
+    with room for the caches and the workspace; an H200's ~139 GiB holds the published bf16 model."""
+    config = load_config(model.MODEL)
+    h100 = sizing.choose(config, 78 * GIB, **CACHE)
+    assert (h100.experts, h100.layers) == ("mxfp4", 27) and h100.fits(78 * GIB)
+    assert h100.estimated_bytes <= sizing.USABLE_FRACTION * 78 * GIB
+    assert h100.parameters > 48e9 and h100.weight_bytes < 30e9
+    h200 = sizing.choose(config, 139 * GIB, **CACHE)
+    assert (h200.experts, h200.layers) == ("bf16", 27) and h200.fits(139 * GIB)
+    assert round(h200.weight_bytes / 1e9, 2) == 98.25 and h200.estimated_bytes > h100.estimated_bytes
+    assert not h200.fits(78 * GIB)
+
+
+def test_sizing_cuts_layers_to_fit_and_refuses_a_device_too_small():
+    config = load_config(model.MODEL)
+    small = sizing.choose(config, 24 * GIB, **CACHE)
+    assert small.experts == "mxfp4" and small.layers < 27 and small.fits(24 * GIB)
+    assert sizing.size(config, True, small.layers + 1, **CACHE).estimated_bytes > sizing.USABLE_FRACTION * 24 * GIB
+    assert small.as_dict()["cut"]
+    assert small.describe() == f"mxfp4 routed experts, its first {small.layers} of 27 layers (cut to fit the device)"
+    with pytest.raises(ValueError, match=r"the smallest \(mxfp4 routed experts, its first 4 of 27 layers"):
+        sizing.choose(config, 8 * GIB, **CACHE)
+
+
+def test_a_device_too_small_records_the_sizing_error_instead_of_running_out_of_memory(monkeypatch):
+    """The section measures the free memory before it builds anything; when nothing fits it records why and the
+    model is never built."""
+    monkeypatch.setattr(run.torch.cuda, "mem_get_info", lambda: (8 * GIB, 80 * GIB))
+    monkeypatch.setattr(run.model, "run_model", lambda *args: pytest.fail("built a model that does not fit"))
+    result = run.model_section(3000.0)
+    assert result["error"].startswith("ValueError: no configuration of the model fits")
+    assert result["error"] in run.markdown({**RESULTS, "model": result})
+    assert run.model_section({"error": "RuntimeError: x"})["skipped"].startswith("no copy bandwidth")
+
+
 def test_evidence_record_reads_back_into_the_matrix_as_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "fingerprint", lambda: ("h200", {"accelerators": ["NVIDIA H200"]}))
     path = write_record(run.evidence_record(RESULTS["model"], RESULTS["engine"]), tmp_path)
@@ -91,7 +146,7 @@ def test_the_script_writes_its_doc_section_from_results_or_says_not_measured(tmp
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n<!-- begin engine -->\nkept\n<!-- end engine -->\n")
     run.write_doc(None, doc)
-    assert "kept" in doc.read_text() and "## GPU (one H200): not measured" in doc.read_text()
+    assert "kept" in doc.read_text() and "## GPU: not measured" in doc.read_text()
     results = tmp_path / "gpu-results.json"
     results.write_text(json.dumps(RESULTS))
     run.write_doc(results, doc)

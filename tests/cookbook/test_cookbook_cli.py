@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import pytest
 
+from kestrel.cookbook.anchors import anchors
+from kestrel.cookbook.calculator import MODES
 from kestrel.cookbook.cli import add_commands
+from kestrel.cookbook.hardware import CPU
+from kestrel.cookbook.recipe_request import STRATEGIES, RecipeRefused, RecipeRequest
+from kestrel.cookbook.recipes import make_recipe
 
 
 def run(*argv: str) -> int:
@@ -43,8 +49,21 @@ def test_recipe_by_id_and_by_flags(capsys):
     assert run("recipe", "--model", "k3", "--hardware", "b300", "--strategy", "balanced") == 0
     assert capsys.readouterr().out == by_id
     assert "--mamba-full-memory-ratio 7.21" in by_id and "kestrel serve" in by_id and "--dcp-size 8" in by_id
+
+
+def test_recipe_list_names_every_cpu_lane_that_generates(capsys):
+    """Every CPU combination the generator makes a recipe of is listed (Unified and both PD roles), and nothing else."""
     assert run("recipe", "--list") == 0
-    assert "k3.1-tiny/cpu/unified/low-latency" in capsys.readouterr().out.splitlines()
+    listed = {line for line in capsys.readouterr().out.splitlines() if "/cpu/" in line}
+    generated = set()
+    for model, mode, strategy in itertools.product(anchors()["kestrel"]["cpu_models"], MODES, STRATEGIES):
+        request = RecipeRequest(model=model, hardware=CPU, mode=mode, strategy=strategy)
+        try:
+            generated.add(make_recipe(request).id)
+        except RecipeRefused:
+            pass
+    assert "k3.1-tiny/cpu/prefill/low-latency" in listed and "k3.1-tiny/cpu/decode/low-latency" in listed
+    assert listed == generated
 
 
 def test_recipe_json(capsys):

@@ -12,15 +12,15 @@ from __future__ import annotations
 import hashlib
 import itertools
 import sys
-from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
-from kestrel.cookbook import hardware
+from kestrel.cookbook import hardware, planner
 from kestrel.cookbook.calculator import MODES, SPEC_MODES
 from kestrel.cookbook.planner import HICACHE_CHOICES
-from kestrel.cookbook.recipes import ENGINES, QUANTS, STRATEGIES, Recipe, RecipeRequest, base_requests, make_recipe
-from kestrel.cookbook.sglang_recipe import RecipeRefused, supported_devices
+from kestrel.cookbook.recipe_request import QUANTS, STRATEGIES, RecipeRefused, RecipeRequest
+from kestrel.cookbook.recipes import ENGINES, Recipe, base_requests, make_recipe
+from kestrel.cookbook.sglang_recipe import supported_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "cookbook" / "golden" / "recipes.txt"
@@ -44,10 +44,10 @@ class Keys:
 
 
 def all_requests() -> list[RecipeRequest]:
-    """Every combination of the generator's options, then the CPU recipes (Unified and each PD role)."""
+    """Every combination of the generator's options, then the CPU recipes."""
     combos = itertools.product(MODELS, supported_devices(), MODES, STRATEGIES, SPEC_MODES, HICACHE_CHOICES,
                                (None, *QUANTS))
-    cpu = [replace(r, mode=mode) for r in base_requests() if r.hardware == "cpu" for mode in MODES]
+    cpu = [r for r in base_requests() if r.hardware == "cpu"]
     return [*(RecipeRequest(*combo) for combo in combos), *cpu]
 
 
@@ -69,12 +69,16 @@ def recipe_line(recipe: Recipe, keys: Keys) -> str:
 
 def golden_text() -> str:
     keys, refusals, lines = Keys(), Keys(), []
-    with mock.patch.object(hardware, "device_memory", lambda device: CPU_RAM):
-        for request in all_requests():
-            try:
-                lines.append(recipe_line(make_recipe(request), keys))
-            except RecipeRefused as refused:
-                refusals(str(refused))
+    planner.plan.cache_clear()      # plans are cached per request: none planned with this machine's RAM is reused
+    try:
+        with mock.patch.object(hardware, "device_memory", lambda device: CPU_RAM):
+            for request in all_requests():
+                try:
+                    lines.append(recipe_line(make_recipe(request), keys))
+                except RecipeRefused as refused:
+                    refusals(str(refused))
+    finally:
+        planner.plan.cache_clear()  # nor is one planned with the pinned RAM left to other tests
     header = [f"# Every recipe the generator emits ({len(lines)} offered). Refresh after an intended change: {REFRESH}",
               "", "## Commands and notes"]
     texts = [f"{key} {text}" for key, text in sorted(keys.texts.items())]

@@ -11,14 +11,14 @@ import torch
 from kestrel.cookbook.calculator import ratio_text
 from kestrel.cookbook.flags import flag_value, has_flag, parse_flags, render_flags
 from kestrel.cookbook.planner import plan
-from kestrel.cookbook.recipes import RecipeRequest, base_requests, make_recipe
-from kestrel.cookbook.sglang_recipe import RecipeRefused
+from kestrel.cookbook.recipe_request import RecipeRefused, RecipeRequest
+from kestrel.cookbook.recipes import base_requests, make_recipe
 from kestrel.cli import _parser
 from kestrel.disagg.size import handoff_bytes
 from kestrel.layers.cache import kv_bytes_per_token
 
 
-def recipe(recipe_id: str, length: int = 11264):
+def recipe(recipe_id: str, length: int | None = None):
     return make_recipe(RecipeRequest.from_id(recipe_id, length))
 
 
@@ -236,6 +236,22 @@ def test_cpu_recipes_serve_the_bundled_model_or_a_random_preset():
     assert bundled.plan.slots_per_request == 1 and set(bundled.refusals) == {"sglang", "vllm"}
     random = recipe("kimi-linear-tiny/cpu/unified/low-latency").commands["kestrel"].lines
     assert random[0] == "kestrel random-model kimi-linear-tiny --out models/kimi-linear-tiny-random"
+
+
+def test_cpu_recipes_size_for_requests_within_the_models_context():
+    """The bundled model's context is 2,048 tokens (the tiny presets' 4,096), so its recipes balance the pools for
+    requests of that length, not the calculator's 11,264; K3 (a 1M context) keeps 11,264; no request is longer than
+    the context, so a longer average is refused."""
+    for mode in ("unified", "prefill"):
+        bundled = recipe(f"k3.1-tiny/cpu/{mode}/low-latency")
+        context = bundled.plan.model.config.max_position_embeddings
+        assert context == 2048 and bundled.plan.request.avg_request_len == context
+        assert bundled.plan.pools.holds(context)
+    assert recipe("kimi-linear-tiny/cpu/unified/low-latency").plan.request.avg_request_len == 4096
+    assert recipe("k3/b300/unified/low-latency").plan.request.avg_request_len == 11264
+    assert recipe("k3.1-tiny/cpu/unified/low-latency", length=1000).plan.request.avg_request_len == 1000
+    with pytest.raises(ValueError, match="--avg-request-len 11,264 exceeds the model's context of 2,048 tokens"):
+        recipe("k3.1-tiny/cpu/unified/low-latency", length=11264)
 
 
 def test_cpu_pd_recipes_are_two_instances_and_the_router_on_loopback():

@@ -21,8 +21,9 @@ from ..hardware import catalog
 from ..ledger import ledger_rows
 from ..matrix import matrix_rows
 from ..planner import HICACHE_CHOICES, Plan, plan
-from ..recipes import QUANTS, STRATEGIES, Recipe, RecipeRequest, make_recipe
-from ..sglang_recipe import RecipeRefused, supported_devices
+from ..recipe_request import QUANTS, STRATEGIES, RecipeRefused, RecipeRequest
+from ..recipes import Recipe, make_recipe
+from ..sglang_recipe import supported_devices
 from ..text import roofline_caption
 
 STATIC_DIR = Path(__file__).parent / "static"

@@ -1,4 +1,4 @@
-"""Write a token map for --speculative-token-map (FR-Spec; kestrel.engine.spec.token_map) for the bundled model: the
+"""Write a token map for --speculative-token-map (FR-Spec; kestrel.engine.speculative.token_map) for the bundled model: the
 tokens its own greedy continuations use most.
 
     .venv/bin/python tools/token_map.py [--size 1024] [--out models/k3.1-tiny/token_map.pt]

@@ -35,11 +35,11 @@ from .request import Request, Sequence, Status
 from .sampling import (SampleResult, SamplingParams, SamplingRow, finite_rows, gather_logprobs,
                        model_sampling_defaults, new_generator, raw_logprobs, sample)
 from .scheduler import ScheduledChunk, Scheduler
-from .spec import ngram
-from .spec.mtp import DraftInput
-from .spec.standalone import StandaloneDrafter
-from .spec.stats import SpecStats
-from .spec.verify import verify
+from .speculative import ngram
+from .speculative.mtp import DraftInput
+from .speculative.standalone import StandaloneDrafter
+from .speculative.stats import SpecStats
+from .speculative.verify import verify
 from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -29,10 +29,10 @@ from .cache.shards import gather_entry, shard_entry
 from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
-from .spec.block import BlockDrafter
-from .spec.dflash import DFlashDrafter
-from .spec.mtp import DraftInput, MTPDrafter
-from .spec.staged import StagedDrafter
+from .speculative.block import BlockDrafter
+from .speculative.dflash import DFlashDrafter
+from .speculative.mtp import DraftInput, MTPDrafter
+from .speculative.staged import StagedDrafter
 
 T = TypeVar("T")
 

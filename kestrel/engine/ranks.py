@@ -41,11 +41,11 @@ from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
 from .handoff import HandoffLayout
 from .model_runner import Draft, ModelRunner, Save
-from .spec.block import BlockDrafter
-from .spec.dflash import DFlashDrafter
-from .spec.mtp import MTPDrafter
-from .spec.staged import StagedDrafter
-from .spec.token_map import HotHead, load_token_map
+from .speculative.block import BlockDrafter
+from .speculative.dflash import DFlashDrafter
+from .speculative.mtp import MTPDrafter
+from .speculative.staged import StagedDrafter
+from .speculative.token_map import HotHead, load_token_map
 
 log = logging.getLogger("kestrel")
 

@@ -25,11 +25,11 @@ and lm_head are the target's unless the draft holds its own (DSpark).
 A context position's keys and values, per draft layer, depend on the prefix alone (an MLA layer's normed latent; a
 Qwen3 layer's normed and rotated key and its value), so the engine keeps them in pages beside the target's: the
 target's forward writes them where it writes its own latents (ContextWriter), so they follow the target's latents
-through verification, prefix caching, preemption, PD handoffs and HiCache; the drafter (kestrel.engine.spec.dflash)
-reads them. The output of target layer i is what a forward hook on that layer returns (as NeMo and SpecForge
-capture it): with AttnRes (K3), the running sum of the current AttnRes block after layer i (KimiTextModel.run_layers);
-as in HuggingFace's output_hidden_states, layer -1 is the embedding and the last layer's output is taken after the
-final norm.
+through verification, prefix caching, preemption, PD handoffs and HiCache; the drafter
+(kestrel.engine.speculative.dflash) reads them. The output of target layer i is what a forward hook on that layer
+returns (as NeMo and SpecForge capture it): with AttnRes (K3), the running sum of the current AttnRes block after
+layer i (KimiTextModel.run_layers); as in HuggingFace's output_hidden_states, layer -1 is the embedding and the last
+layer's output is taken after the final norm.
 
 A draft folder holds config.json (block_size and dflash_config {mask_token_id, target_layer_ids}, or DSpark's
 top-level block_size, mask_token_id, target_layer_ids, markov_rank and markov_head_type; the layout's shape keys)

@@ -13,8 +13,8 @@ from kestrel.engine import engine as engine_module
 from kestrel.engine.cache.device_ops import apply_ops
 from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.engine.sampling import SamplingRow, apply_penalties, warp_logits
-from kestrel.engine.spec import ngram
-from kestrel.engine.spec.verify import verify
+from kestrel.engine.speculative import ngram
+from kestrel.engine.speculative.verify import verify
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import HybridCache
 from helpers import assert_idle, write_draft

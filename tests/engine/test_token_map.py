@@ -12,7 +12,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.distributed.parallel import SINGLE
 from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
-from kestrel.engine.spec.token_map import HotHead, load_token_map
+from kestrel.engine.speculative.token_map import HotHead, load_token_map
 from helpers import assert_idle
 
 ROOT = Path(__file__).resolve().parents[2]

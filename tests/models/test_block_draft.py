@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kestrel.distributed.parallel import SINGLE
-from kestrel.engine.spec.block import BlockDrafter
-from kestrel.engine.spec.mtp import DraftInput
-from kestrel.engine.spec.token_map import HotHead
+from kestrel.engine.speculative.block import BlockDrafter
+from kestrel.engine.speculative.mtp import DraftInput
+from kestrel.engine.speculative.token_map import HotHead
 from kestrel.models.block_draft import (BlockDraftConfig, BlockDraftModel, block_logits, load_block_draft,
                                         save_block_draft)
 from kestrel.models.checkpoint import load_model

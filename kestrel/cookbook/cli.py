@@ -27,6 +27,10 @@ from .verify import SmokeSettings, verify
 from .web import build_site
 
 AVG_REQUEST_LEN_HELP = "input + output tokens (default: SGLang's calculator's 11,264, or the model's context if less)"
+EVIDENCE_DIR_HELP = "folder of the evidence records to read"
+HICACHE_HELP = "hierarchical KV cache: off, host memory, or host memory and storage"
+LAYOUT_HELP = {"tp": "tensor-parallel size (ranks per pipeline stage)", "dp": "DP-attention size",
+               "ep": "expert-parallel size", "pp": "pipeline-parallel stages", "dcp": "decode-context-parallel size"}
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -51,26 +55,28 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="whose pool arithmetic and sharding: SGLang's runtime, or kestrel's engine (what its ranks "
                         "allocate; TP and EP only)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="unquantized weights and activations")
-    for name in ("tp", "dp", "ep", "pp", "dcp"):
-        p.add_argument(f"--{name}", type=int, default=8 if name == "tp" else 1,
-                       help="DP-attention size" if name == "dp" else None)
-    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="bf16")
+    for name, text in LAYOUT_HELP.items():
+        p.add_argument(f"--{name}", type=int, default=8 if name == "tp" else 1, help=text)
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="bf16", help="KV cache element type")
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="sglang",
                    help="SGLang's pools (fp8 with per-tensor scales; the DSA row for models with an indexer) or "
                         "kestrel's (fp8 with a scale per token and row)")
-    p.add_argument("--ssm-dtype", choices=SSM_DTYPE_CHOICES, default="fp32")
+    p.add_argument("--ssm-dtype", choices=SSM_DTYPE_CHOICES, default="fp32",
+                   help="linear-attention (SSM) state element type")
     p.add_argument("--spec", choices=SPEC_MODES, default="none", help="speculative decoding (mtp = DSPARK)")
-    p.add_argument("--draft-tokens", type=int, default=0, help="draft block size (default: the draft model's)")
+    p.add_argument("--draft-tokens", type=int, default=0, help="draft block size (0: the draft model's)")
     p.add_argument("--draft-kv-bytes", type=int, default=None,
                    help="the draft's KV bytes per token (default: the draft model's)")
     p.add_argument("--replay-ssm", action="store_true",
                    help="--enable-linear-replayssm-spec (no verify states; a ring per state slot)")
     p.add_argument("--replay-cache-len", type=int, default=16, help="--linear-replayssm-cache-len (ring steps)")
-    p.add_argument("--radix-strategy", choices=RADIX_STRATEGIES, default="extra_buffer")
-    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--radix-strategy", choices=RADIX_STRATEGIES, default="extra_buffer",
+                   help="--mamba-radix-cache-strategy (state slots a request holds for the radix cache)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="plan for SGLang's --disable-overlap-schedule")
     p.add_argument("--skip-decode-lock", action="store_true", help="SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK=1")
     p.add_argument("--mode", choices=MODES, default="unified", help="PD role")
-    p.add_argument("--hicache", choices=HICACHE_CHOICES, default="off")
+    p.add_argument("--hicache", choices=HICACHE_CHOICES, default="off", help=HICACHE_HELP)
     p.add_argument("--avg-request-len", type=int, default=None, help=AVG_REQUEST_LEN_HELP)
     p.add_argument("--mem-fraction", type=float, default=0.85, help="--mem-fraction-static")
     p.add_argument("--ratio", type=float, default=None, help="pin --mamba-full-memory-ratio instead of balancing")
@@ -115,12 +121,12 @@ def _add_recipe(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("recipe", help="launch commands for kestrel, SGLang and vLLM")
     p.add_argument("id", nargs="?", help="a recipe id (model/hardware/mode/strategy[,spec=..][,hicache=..]"
                                          "[,quant=..]); or use the flags below")
-    p.add_argument("--model", default="k3")
+    p.add_argument("--model", default="k3", help=f"one of: {', '.join(model_choices())}")
     p.add_argument("--hardware", default="b300", help=_hardware_help())
-    p.add_argument("--mode", choices=MODES, default="unified")
-    p.add_argument("--strategy", choices=STRATEGIES, default="low-latency")
+    p.add_argument("--mode", choices=MODES, default="unified", help="PD role")
+    p.add_argument("--strategy", choices=STRATEGIES, default="low-latency", help="what the launch is tuned for")
     p.add_argument("--spec", choices=SPEC_MODES, default="none", help="speculative decoding (mtp = DSPARK)")
-    p.add_argument("--hicache", choices=HICACHE_CHOICES, default="off")
+    p.add_argument("--hicache", choices=HICACHE_CHOICES, default="off", help=HICACHE_HELP)
     p.add_argument("--quant", choices=QUANTS, default=None, help="default: the hardware's checkpoint")
     p.add_argument("--avg-request-len", type=int, default=None, help=AVG_REQUEST_LEN_HELP)
     p.add_argument("--list", action="store_true", help="list the recipe ids the anchors offer")
@@ -151,8 +157,9 @@ def _add_verify(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=defaults.requests, help="concurrent requests in the benchmark")
     p.add_argument("--prompt-len", type=int, default=defaults.prompt_len, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="generated tokens per request")
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR)
+    p.add_argument("--seed", type=int, default=defaults.seed,
+                   help="seed of the random prompts (and of a random checkpoint's weights)")
+    p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR, help="folder to write the record into")
     p.add_argument("--allow-dirty", action="store_true",
                    help="run from a checkout with uncommitted changes; the record says it was dirty")
     p.set_defaults(run=run_verify)
@@ -173,7 +180,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def _add_matrix(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("matrix", help="the verification matrix and claims ledger, from evidence records")
-    p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR)
+    p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR, help=EVIDENCE_DIR_HELP)
     p.add_argument("--write", type=Path, default=None, metavar="DIR",
                    help="write matrix.md, claims.md and hardware.md into DIR (e.g. docs/cookbook)")
     p.set_defaults(run=run_matrix)
@@ -193,7 +200,7 @@ def run_matrix(args: argparse.Namespace) -> int:
 def _add_site(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("site", help="build the cookbook web page as static files")
     p.add_argument("--out", type=Path, required=True, help="folder to write")
-    p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR)
+    p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR, help=EVIDENCE_DIR_HELP)
     p.set_defaults(run=run_site)
 
 

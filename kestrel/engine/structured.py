@@ -1,5 +1,5 @@
-"""Structured outputs: a constraint (a JSON schema, any JSON object, a regular expression or an EBNF grammar)
-compiled once, then one matcher per sequence that says which tokens may come next.
+"""Structured outputs: a constraint (a JSON schema, any JSON object, a regular expression, an EBNF grammar or a
+choice of strings) compiled once, then one matcher per sequence that says which tokens may come next.
 
 The grammar engine is llguidance (vLLM's "guidance" backend), chosen over xgrammar by measurement
 (benchmarks/bench_structured.py, section "structured" of docs/benchmarks.md: one JSON-object constraint over a
@@ -54,7 +54,8 @@ SPECIAL_MARKER = b"\xff"      # how llguidance marks a special token's bytes (ne
 FLEXIBLE_JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_SPACE}}}",
                          "json_allow_general_unicode_escapes": True}
 COMPACT_JSON_OPTIONS = {"whitespace_flexible": False, "json_allow_general_unicode_escapes": True}
-_KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar"}
+_KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar",
+          "choice": "choice"}
 
 
 @dataclass(frozen=True)
@@ -63,21 +64,23 @@ class StructuredOutputsParams:
 
     json: a JSON schema (an object, or its JSON text); json_object: any JSON object; regex: a regular expression
     the whole output matches (Rust regex syntax, as vLLM's guidance backend); grammar: an EBNF grammar, in GBNF
-    (`root ::= ...`, llama.cpp's and SGLang's) or Lark syntax. disable_any_whitespace: JSON without whitespace
-    between items (the default here, unlike vLLM); False allows up to MAX_SPACE whitespace characters per gap.
+    (`root ::= ...`, llama.cpp's and SGLang's) or Lark syntax; choice: strings the whole output is exactly one of
+    (kept as a tuple). disable_any_whitespace: JSON without whitespace between items (the default here, unlike
+    vLLM); False allows up to MAX_SPACE whitespace characters per gap.
     """
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    choice: Sequence[str] | None = None
     disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in _KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured outputs take exactly one of json, regex, grammar or json_object, got "
-                             f"{', '.join(given) or 'none'}.")
+            raise ValueError(f"structured outputs take exactly one of json, regex, grammar, json_object or choice, "
+                             f"got {', '.join(given) or 'none'}.")
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
@@ -85,7 +88,11 @@ class StructuredOutputsParams:
                 raise ValueError(f"the JSON schema is not valid JSON ({e}).") from None
         checks = {"json": dict, "regex": str, "grammar": str, "json_object": bool}
         value = getattr(self, given[0])
-        if not isinstance(value, checks[given[0]]):
+        if given[0] == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(text, str) for text in value):
+                raise ValueError("structured outputs' choice must be a list of at least one string.")
+            object.__setattr__(self, "choice", tuple(value))
+        elif not isinstance(value, checks[given[0]]):
             allowed = "a JSON object" if given[0] == "json" else checks[given[0]].__name__
             raise ValueError(f"structured outputs' {given[0]} must be {allowed}, got {type(value).__name__}.")
         if not isinstance(self.disable_any_whitespace, bool):
@@ -94,14 +101,14 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which field is set: "json", "regex", "grammar" or "json_object"."""
+        """Which field is set: "json", "regex", "grammar", "json_object" or "choice"."""
         return next(name for name in _KINDS if getattr(self, name) not in (None, False))
 
     @property
     def key(self) -> tuple[str, str, bool]:
         """(kind, canonical text, compact): equal for constraints that compile to the same grammar."""
         value = getattr(self, self.kind)
-        text = json.dumps(value, sort_keys=True) if self.kind == "json" else str(value)
+        text = json.dumps(value, sort_keys=True) if self.kind in ("json", "choice") else str(value)
         return self.kind, text, self.disable_any_whitespace and self.kind in ("json", "json_object")
 
 
@@ -278,6 +285,8 @@ def _compile(constraint: StructuredOutputsParams, vocabulary: _Vocabulary) -> Co
             grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.json, defaults=options)
         elif constraint.kind == "regex":
             grammar = llguidance.grammar_from("regex", constraint.regex)
+        elif constraint.kind == "choice":        # a Lark alternation of the strings as JSON literals
+            grammar = llguidance.grammar_from("choice", list(constraint.choice))
         else:
             grammar = llguidance.grammar_from("grammar", constraint.grammar)
     except ValueError as e:

@@ -1,6 +1,6 @@
 """The output constraint a request asks for, from whichever field states it: OpenAI's `response_format`
 (json_object, json_schema), vLLM's `structured_outputs` and legacy `guided_json` / `guided_regex` /
-`guided_grammar`, SGLang's `json_schema` / `regex` / `ebnf`. A request states at most one.
+`guided_grammar` / `guided_choice`, SGLang's `json_schema` / `regex` / `ebnf`. A request states at most one.
 
 A json_schema response format is enforced whether or not it says `strict` (as vLLM does): the reply always
 matches the schema.
@@ -17,7 +17,7 @@ from .protocol import ResponseFormat, SamplingFields
 
 # (request field, the StructuredOutputsParams field its value goes to)
 _EXTRA_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
-                 ("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar"))
+                 ("guided_choice", "choice"), ("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar"))
 
 
 @dataclass(frozen=True)

@@ -42,18 +42,19 @@ class ResponseFormat(Schema):
 
 
 class StructuredOutputsField(Schema):
-    """vLLM's `structured_outputs` body field: one of json, regex, grammar, json_object."""
+    """vLLM's `structured_outputs` body field: one of json, regex, grammar, json_object, choice."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     grammar: str | None = None
     json_object: StrictBool | None = None
+    choice: list[str] | None = None
     disable_any_whitespace: StrictBool = True
 
     def fields(self) -> dict[str, Any]:
         """The StructuredOutputsParams fields it sets."""
         return {"json": self.json_, "regex": self.regex, "grammar": self.grammar, "json_object": self.json_object,
-                "disable_any_whitespace": self.disable_any_whitespace}
+                "choice": self.choice, "disable_any_whitespace": self.disable_any_whitespace}
 
 
 class SamplingFields(Schema):
@@ -84,6 +85,7 @@ class SamplingFields(Schema):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

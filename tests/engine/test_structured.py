@@ -53,6 +53,7 @@ SCHEMAS = [
 REGEXES = [r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])", r"(yes|no), because [a-z]{1,6}\.", r"[A-Z][a-z]{0,5}"]
 GRAMMAR = 'root ::= "(" num (op num)* ")"\nnum ::= [1-9] [0-9]?\nop ::= "+" | "*"\n'
 GRAMMAR_REGEX = r"\([1-9][0-9]?([+*][1-9][0-9]?)*\)"
+CHOICES = ["yes", "no", "no way", 'say "hi" \\ \n', "naïve 你好 🙂", "(a|b)*."]
 
 
 def is_json_object(text: str) -> bool:
@@ -208,6 +209,22 @@ def test_a_bad_constraint_is_one_sentence(byte_grammars, constraint, message):
     with pytest.raises(ValueError, match=message) as error:
         byte_grammars.compile(constraint)
     assert str(error.value).count("\n") == 0 and str(error.value).endswith(".")
+
+
+def test_a_choice_accepts_each_of_its_strings_and_nothing_else(byte_grammars):
+    """Each string whole, one that begins another too; never a prefix, a longer text, or what a string says as a
+    regex; an empty list or a non-string is refused."""
+    constraint = StructuredOutputsParams(choice=CHOICES)
+    for text in CHOICES:
+        matcher = byte_grammars.compile(constraint).matcher()
+        assert feed(matcher, text.encode()) and complete(matcher), text
+    for text in ["", "ye", "no wa", "yes ", "yesno", "no way!", 'say "hi"', "naïve", "ab."]:
+        matcher = byte_grammars.compile(constraint).matcher()
+        assert not (feed(matcher, text.encode()) and complete(matcher)), text
+    assert constraint.choice == tuple(CHOICES) and constraint.key == StructuredOutputsParams(choice=(*CHOICES,)).key
+    for bad in ([], ["a", 1], "yes"):
+        with pytest.raises(ValueError, match="choice must be a list of at least one string"):
+            StructuredOutputsParams(choice=bad)
 
 
 def test_compiled_grammars_are_cached_least_recently_used_first(byte_tokenizer):

@@ -32,6 +32,7 @@ SCHEMA_TOKENS = 200                     # ample for each bounded constraint here
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
 GRAMMAR = 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?\n'
 GRAMMAR_REGEX = r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)"
+CHOICES = ["Paris", "Rome", "Rome, Italy", 'a "quoted" \\ answer']
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -134,6 +135,17 @@ def test_every_constraint_field_is_enforced_on_completions(server, fields, check
         check(choice["text"])
 
 
+@pytest.mark.parametrize("fields", [{"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}],
+                         ids=["guided_choice", "structured_outputs.choice"])
+def test_a_choice_is_enforced_on_completions_and_chat(server, fields):
+    completion = post(server, "/v1/completions", {"prompt": "the quick brown", "max_tokens": SCHEMA_TOKENS, **fields})
+    assert completion.status_code == 200, completion.text
+    (choice,) = completion.json()["choices"]
+    assert choice["text"] in CHOICES and choice["finish_reason"] == "stop", choice
+    content, finish = chat_reply(server, {"max_tokens": SCHEMA_TOKENS, **fields})
+    assert content in CHOICES and finish == "stop", content
+
+
 def test_the_openai_client_sends_extra_fields(server, k3_server):
     for live in (server, k3_server):
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
@@ -153,7 +165,9 @@ def test_the_openai_client_sends_extra_fields(server, k3_server):
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}}, "structured_outputs", "exactly one"),
     ({"guided_regex": "a", "regex": "b"}, "regex", "both constrain the output"),
-], ids=["bad-schema", "no-schema", "bad-regex", "bad-ebnf", "schema-not-json", "two-in-one", "two-fields"])
+    ({"guided_choice": []}, "guided_choice", "at least one string"),
+], ids=["bad-schema", "no-schema", "bad-regex", "bad-ebnf", "schema-not-json", "two-in-one", "two-fields",
+        "empty-choice"])
 def test_a_bad_constraint_is_a_400_naming_its_field(server, fields, param, message):
     for path, body in (("/v1/completions", {"prompt": "x"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):

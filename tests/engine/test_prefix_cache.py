@@ -383,8 +383,9 @@ def test_eviction_takes_the_least_recently_used_leaf_and_its_queue_stays_bounded
 
 
 def test_what_the_cache_keeps_for_hicache_stays_within_its_pools_and_the_store():
-    """2,000 distinct pages and snapshots evicted through a host tier of four entries: no container the cache holds
-    outgrows its pools and the tiers (it keeps no index of what the store once held)."""
+    """2,000 distinct pages and snapshots evicted through a host tier of four entries, then 200 distinct tails at
+    one page the device keeps: no container the cache or the node holds outgrows its pools and the tiers (neither
+    keeps an index of what the store once held)."""
     ops = DeviceOps()
     kv, state = KVPool(8, PAGE, ops), StatePool(2, ops)
     store = HierarchicalStore(HostTier(max_bytes=256))
@@ -401,3 +402,15 @@ def test_what_the_cache_keeps_for_hicache_stays_within_its_pools_and_the_store()
     assert cache.stats.snapshots_evicted > 1000 and len(store.host) == 4
     sizes = {name: len(held) for name, held in vars(cache).items() if isinstance(held, (dict, list, set))}
     assert max(sizes.values()) <= 2 * kv.num_pages + 64 + len(store.host), sizes
+    cache.reclaim_pages(2 - kv.num_free)   # 200 distinct one-token tails evicted at one page the device keeps
+    pages = kv.allocate(1)
+    node = cache.insert(cache.root, [5000] * PAGE, pages)
+    for i in range(200):
+        tail_page = kv.allocate(1)
+        cache.snapshot(node, [i], tail_page[0], running)
+        kv.free(tail_page)
+        cache.reclaim_slots(1)
+        for kind, _, put in ops.take():
+            if kind == "save":
+                put[0]({"0.x": torch.zeros(64, dtype=torch.uint8)})
+    assert cache.stats.snapshots_evicted > 1200 and len(node.stored_tails) <= len(store.host) + 1

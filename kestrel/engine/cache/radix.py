@@ -23,8 +23,10 @@ stale are skipped when popped), so eviction under pressure never walks the whole
 With HiCache (hicache.py), what is evicted is first saved to the store (host memory, then disk), keyed by a chain
 hash of the token pages up to it (seeded with the model's namespace); a lookup that finds pages and a snapshot
 there beyond what the device tree holds loads them back into fresh pages and a fresh slot before the hit. The tree
-keeps no index of the store: a lookup asks the store for the keys of the snapshots it could resume from, so what a
-tier drops is forgotten with it, and a restarted engine finds what the last one left on disk. A store entry that is
+keeps no index of the store: a page on the device remembers the tails of the snapshots it spilled that the store
+still holds, and past the device's pages (at the root and at pages loaded back, whose snapshots may be a former
+process's) a lookup asks the store for the key of each snapshot it could resume from, one per token. So what a tier
+drops is forgotten with it, and a restarted engine finds what the last one left on disk. A store entry that is
 missing, damaged or of another layout is a miss.
 """
 
@@ -75,6 +77,9 @@ class Node:
     locks: int = 0                     # running sequences whose cached prefix ends here
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     snapshots: dict[tuple[int, ...], Snapshot] = field(default_factory=dict)
+    # The tails of its snapshots this process spilled to HiCache's store; None where the store may hold others (the
+    # root and nodes loaded back from the store, after a restart say): a lookup asks the store for those.
+    stored_tails: set[tuple[int, ...]] | None = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ class PrefixCache:
         a "page" entry, a "snapshot" entry and a "tail snapshot" entry (device_ops.entry_spec)."""
         self.state_pool, self.kv_pool = state_pool, kv_pool
         self.page_size = kv_pool.page_size
-        self.root = Node((), None, None, 0, self.page_size, hash=_digest(namespace, ()))
+        self.root = Node((), None, None, 0, self.page_size, hash=_digest(namespace, ()), stored_tails=None)
         self.store, self.specs = store, specs or {}
         self.stats = CacheStats()
         self._clock = itertools.count(1)
@@ -288,6 +293,10 @@ class PrefixCache:
     def _drop_snapshot(self, snap: Snapshot) -> None:
         parts = [("slot", snap.slot)] + ([("page", snap.tail_page)] if snap.tail else [])
         self._spill(parts, _snapshot_key(snap.node.hash, snap.tail))
+        if self.store is not None and snap.node.stored_tails is not None:     # those the store still holds
+            node = snap.node
+            node.stored_tails = {t for t in node.stored_tails if _snapshot_key(node.hash, t) in self.store}
+            node.stored_tails.add(snap.tail)
         del self._snapshots[snap.slot]
         del snap.node.snapshots[snap.tail]
         self.state_pool.free(snap.slot)
@@ -306,7 +315,8 @@ class PrefixCache:
     def _load(self, path: list[Node], tokens: list[int], limit: int, best: int) -> bool:
         """Bring back from the store the longest prefix past `best` tokens that ends at a stored snapshot (its
         pages beyond the device path, then the snapshot); whether it did."""
-        size, chain, keys = self.page_size, [self.root.hash] + [n.hash for n in path], []
+        size, nodes, keys = self.page_size, [self.root, *path], []
+        chain = [n.hash for n in nodes]
         for start in range(len(path) * size, limit - size + 1, size):
             key = tuple(tokens[start:start + size])
             digest = _digest(chain[-1], key)
@@ -318,9 +328,13 @@ class PrefixCache:
             start = depth * size
             if start + size - 1 <= best:
                 return False
-            tail = self._stored_tail(chain[depth], tokens[start:min(start + size - 1, limit)], best - start)
+            base = nodes[min(depth, len(path))]
+            if depth <= len(path) and base.stored_tails is not None:     # no hashing: the tails it spilled
+                tail = next((t for t in sorted(base.stored_tails, key=len, reverse=True) if len(t) > best - start
+                             and start + len(t) <= limit and tuple(tokens[start:start + len(t)]) == t), None)
+            else:
+                tail = self._stored_tail(chain[depth], tokens[start:min(start + size - 1, limit)], best - start)
             if tail is not None:
-                base = ([self.root, *path])[min(depth, len(path))]
                 return self._bring_back(base, chain[base.depth + 1:depth + 1], keys[:depth - base.depth], tail)
         return False
 
@@ -339,6 +353,8 @@ class PrefixCache:
         node_hash = hashes[-1] if hashes else base.hash
         pages = [self._get(digest, "page") for digest in hashes]
         snapshot = self._get(_snapshot_key(node_hash, tail), "tail snapshot" if tail else "snapshot")
+        if snapshot is None and not hashes and base.stored_tails is not None:   # the store dropped it since
+            base.stored_tails.discard(tail)
         if snapshot is None or any(p is None for p in pages):
             return False
         wanted = len(pages) + bool(tail)
@@ -354,7 +370,7 @@ class PrefixCache:
         for digest, key, entry in zip(hashes, keys, pages):
             page = self.kv_pool.allocate(1, cache=True)[0]
             ops.load([("page", page)], entry)
-            child = Node(key, page, node, node.depth + 1, self.page_size, digest, now)
+            child = Node(key, page, node, node.depth + 1, self.page_size, digest, now, stored_tails=None)
             node.children[key] = child
             node = child
             self._num_nodes += 1

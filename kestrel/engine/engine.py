@@ -247,8 +247,8 @@ class LLMEngine:
 
     def _loadable(self, handoff: Handoff, pages: int) -> dict[str, torch.Tensor] | None:
         """The handoff's tensors this engine loads: the contract's (a ValueError if they do not fit its caches) and
-        the draft context its drafter reads; None where the drafter needs context the handoff lacks (or, with
-        several ranks, holds: their shards take none yet), so that the prompt is computed here."""
+        the draft context its drafter reads; None where the drafter needs context the handoff lacks, so that the
+        prompt is computed here."""
         contract, context = split_context({name: (t.shape, t.dtype) for name, t in handoff.tensors.items()})
         wanted, wanted_context = split_context(self.handoff_layout.spec(pages))
         if handoff.num_pages != pages or contract != wanted or not 0 <= handoff.first_token < self.config.vocab_size:
@@ -256,7 +256,7 @@ class LLMEngine:
                              "size); serve the same model at the same --dtype and --page-size on both instances.")
         if not wanted_context:
             return split_context(handoff.tensors)[0]
-        return handoff.tensors if context == wanted_context and self.ranks is None else None
+        return handoff.tensors if context == wanted_context else None
 
     def _arrive(self, seq: Sequence) -> None:
         """A prefilled sequence takes its first token, then waits for the pools; a first token that ends it finishes

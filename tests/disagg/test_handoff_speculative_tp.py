@@ -1,8 +1,8 @@
 """PD handoffs between a one-process plain instance and a two-rank (TP2, one spawned rank process, gloo) NEXTN or
-DFLASH instance, both ways: the decode side answers as one plain instance (greedy). A two-rank decode instance
-whose drafter reads draft context computes the prompt itself (its ranks' shards take no handed-over context yet);
-a two-rank prefill instance's handoff carries its draft context gathered from the ranks, which a plain decode
-instance leaves out."""
+DFLASH instance, both ways, and from the two-rank instance to itself: the decode side answers as one plain
+instance (greedy). A two-rank decode instance handed no draft context computes the prompt itself; a two-rank
+prefill instance's handoff carries its draft context gathered from the ranks, which a plain decode instance leaves
+out and a two-rank one of the same drafter shards to its ranks and loads."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def plain() -> LLMEngine:
 
 
 @pytest.mark.parametrize("algorithm", ["NEXTN", "DFLASH"])
-def test_two_rank_speculative_and_one_process_plain_instances_hand_off_both_ways(plain, algorithm, tmp_path):
+def test_two_rank_speculative_and_one_process_plain_instances_hand_off_both_ways(plain, algorithm, tmp_path,
+                                                                                  caplog):
     for i, ids in enumerate(PROMPTS):
         plain.add_request(f"u{i}", ids, GREEDY)
     unified = finals(plain)
@@ -56,12 +57,18 @@ def test_two_rank_speculative_and_one_process_plain_instances_hand_off_both_ways
     speculative = LLMEngine(EngineArgs(**ARGS, tp_size=2, speculative_algorithm=algorithm,
                                        speculative_draft_model_path=str(tmp_path)))
     try:
-        _, tokens = hand_over(plain, speculative)
-        assert tokens == expected
-        assert speculative.spec_stats.verifications > 0
-        handed, tokens = hand_over(speculative, plain)
-        assert tokens == expected
-        assert all(split_context(h.tensors)[1] for h in handed)
+        with caplog.at_level("INFO", logger="kestrel"):
+            _, tokens = hand_over(plain, speculative)
+            assert tokens == expected and caplog.text.count("computing its prompt here") == len(PROMPTS)
+            assert speculative.spec_stats.verifications > 0
+            handed, tokens = hand_over(speculative, plain)
+            assert tokens == expected
+            assert all(split_context(h.tensors)[1] for h in handed)
+            caplog.clear()
+            verified = speculative.spec_stats.verifications
+            _, tokens = hand_over(speculative, speculative)
+            assert tokens == expected and "computing its prompt here" not in caplog.text
+            assert speculative.spec_stats.verifications > verified
         assert_idle(speculative.scheduler)
     finally:
         speculative.shutdown()

@@ -2,13 +2,16 @@
 instance, and split again for another (a PD handoff between instances of any layouts).
 
 Entries are named as device_ops saves parts ("{part}.kda.{i}.conv", "{part}.mla.{j}.latent", ...). A rank's entry
-holds its pipeline stage's layers (numbered from the stage's first KDA and MLA layer), its TP share of the KDA
+holds its pipeline stage's layers (numbered from the stage's first KDA and MLA layer; the last stage's MLA layers go
+on with the MTP layers' and a draft's, numbered after the target's as in one process), its TP share of the KDA
 heads (conv channels q | k | v of H / tp heads each, recurrent [H / tp, K, V]) and, with decode context
 parallelism, the page rows of its positions (p % dcp == its dcp_rank, the same on every DCP group); without DCP
 every TP rank holds the same MLA rows.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -44,7 +47,8 @@ def shard_entry(entry: Entry, layout: ParallelLayout, config: ModelConfig) -> En
     tp, rank, dcp = layout.tp_size, layout.tp_rank, layout.dcp_size
     kda, mla = _first_layers(layout, config, layout.pp_rank)
     stage = layout.cache_config(config)
-    held = {"kda": range(kda, kda + len(stage.kda_layers)), "mla": range(mla, mla + len(stage.mla_layers))}
+    mla_end = sys.maxsize if layout.last_stage else mla + len(stage.mla_layers)   # the last: MTP, draft layers too
+    held = {"kda": range(kda, kda + len(stage.kda_layers)), "mla": range(mla, mla_end)}
     out: Entry = {}
     for name, t in entry.items():
         part, kind, index, field = name.split(".", 3)

@@ -26,6 +26,7 @@ from .distributed.sharding import shard_bytes
 from .engine.args import BUNDLED_MODEL, EngineArgs
 from .engine.cache.planner import device_memory
 from .engine.llm import LLM
+from .engine.outputs import CompletionOutput
 from .engine.ranks import is_rank_zero, run_node
 from .engine.sampling import SamplingParams
 from .models.checkpoint import build_model, load_model, save_model
@@ -255,8 +256,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "backslash); repeatable")
     g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end a completion")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    g.add_argument("--logprobs", type=int, default=None, help="logprobs of this many alternatives per token "
-                                                              "(vLLM's logprobs)")
+    g.add_argument("--logprobs", type=int, default=None, help="print each completion as JSON with the logprobs of "
+                        "its tokens and of this many alternatives per position (vLLM's logprobs)")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -305,16 +306,25 @@ def _generate(args: argparse.Namespace) -> int:
     if args.input is None:
         for completion in results[0].outputs:
             text = completion.text if llm.engine.tokenizer is not None else ",".join(map(str, completion.token_ids))
-            print(text)
+            print(text if args.logprobs is None else json.dumps(_completion_record(completion)))
         return 0
-    lines = [json.dumps({**prompt, "outputs": [{"text": c.text, "token_ids": c.token_ids,
-                                                "finish_reason": c.finish_reason} for c in r.outputs]})
+    lines = [json.dumps({**prompt, "outputs": [_completion_record(c) for c in r.outputs]})
              for prompt, r in zip(prompts, results)]
     if args.output is None:
         print("\n".join(lines))
     else:
         args.output.write_text("\n".join(lines) + "\n")
     return 0
+
+
+def _completion_record(c: CompletionOutput) -> dict:
+    """A completion as JSON: its text, token ids and finish reason, and with --logprobs each position's
+    {token id: logprob} (the sampled token and the top alternatives) and their cumulative logprob."""
+    record = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        record["cumulative_logprob"] = c.cumulative_logprob
+        record["logprobs"] = [{str(token): p.logprob for token, p in position.items()} for position in c.logprobs]
+    return record
 
 
 if __name__ == "__main__":

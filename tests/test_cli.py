@@ -90,6 +90,18 @@ def test_generate_stops_at_a_newline_written_as_backslash_n(capsys):
     assert capsys.readouterr().out == full.split("\n")[0] + "\n"
 
 
+def test_generate_prints_the_logprobs_it_was_asked_for(capsys):
+    """--logprobs 2 on the bundled model's greedy continuation: each position lists its token (the most likely
+    one, greedy) and at most 2 alternatives, and the cumulative logprob is the sum of the tokens' own."""
+    argv = ["generate", "--prompt", "ROMEO.\nBut soft", "--max-tokens", "6", "--dtype", "float32", "--logprobs", "2"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    chosen = [position[str(token)] for token, position in zip(record["token_ids"], record["logprobs"], strict=True)]
+    assert len(chosen) == 6 and all(len(position) <= 3 for position in record["logprobs"])
+    assert all(logprob == max(position.values()) for logprob, position in zip(chosen, record["logprobs"]))
+    assert record["cumulative_logprob"] == pytest.approx(sum(chosen), abs=1e-5)
+
+
 def subcommand_parsers(parser: argparse.ArgumentParser, path: str = "kestrel"):
     """(command path, parser) of every subcommand below parser, nested ones included."""
     for action in parser._actions:

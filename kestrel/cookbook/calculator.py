@@ -9,8 +9,9 @@ L: average request length (input + output tokens). Everything here is per rank o
 Where SGLang's runtime counts differently from the page's calculator, this module follows the runtime and says so:
 D under DFLASH is the block size (`_handle_dflash` sets --speculative-num-draft-tokens to it), and the draft's KV
 per token is the draft's own (`CacheSettings.draft_kv_bytes`), not DSPARK's measured constant. The ReplaySSM ring
-(`replayssm_ring_bytes_per_layer`) is charged per state slot by the runtime's pool sizing (pools.py); the page's
-ratio leaves it out, and so does `balanced_ratio`, so pinned ratios stay the page's.
+(`replayssm_ring_bytes_per_layer`) is charged per state slot, and the conv verify windows ReplaySSM keeps per running
+request, by the runtime's pool sizing (pools.py); the page's ratio leaves both out, and so does `balanced_ratio`, so
+pinned ratios stay the page's.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class CacheSettings:
             raise ValueError(f"--draft-kv-bytes must not be negative, got {self.draft_kv_bytes}.")
         if self.replay_cache_len < 1:
             raise ValueError(f"--replay-cache-len must be at least 1, got {self.replay_cache_len}.")
+        if self.radix_strategy == "no_buffer" and self.overlap_schedule:
+            raise ValueError("the no_buffer radix strategy runs without the overlap scheduler (SGLang's "
+                             "mamba_hook.validate_mamba_no_buffer; it also needs --page-size 1 and an attention "
+                             "backend other than trtllm_mha); add --disable-overlap-schedule or pick another strategy.")
         if self.radix_strategy == "extra_buffer_lazy" and not self.overlap_schedule:
             raise ValueError("the extra_buffer_lazy radix strategy needs the overlap scheduler; drop "
                              "--disable-overlap-schedule or pick another strategy.")

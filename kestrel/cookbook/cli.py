@@ -68,7 +68,8 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-kv-bytes", type=int, default=None,
                    help="the draft's KV bytes per token (default: the draft model's)")
     p.add_argument("--replay-ssm", action="store_true",
-                   help="--enable-linear-replayssm-spec (no verify states; a ring per state slot)")
+                   help="--enable-linear-replayssm-spec (no verify states; a ring per state slot and "
+                        "the conv verify windows per running request)")
     p.add_argument("--replay-cache-len", type=int, default=16, help="--linear-replayssm-cache-len (ring steps)")
     p.add_argument("--radix-strategy", choices=RADIX_STRATEGIES, default="extra_buffer",
                    help="--mamba-radix-cache-strategy (state slots a request holds for the radix cache)")

@@ -186,6 +186,16 @@ class ModelFacts:
                                                    DTYPES[self.dtype].itemsize)
         return per_layer * sum(1 for i in self.config.kda_layers if layers is None or i in layers)
 
+    @cache
+    def conv_window_bytes_per_request(self, width: int, layers: range | None = None) -> int:
+        """The conv verify windows one running request holds under speculation over the KDA `layers` (all when None):
+        SGLang's intermediate_conv_window, `width` verified tokens deep, each a copy of the conv state (K - 1 columns
+        of q, k and v in the activation dtype; KDA keeps the dense layout, KimiLinearCacheParams)."""
+        config = self.config
+        per_token = (config.conv_kernel_size - 1) * 3 * config.kda_num_heads * config.kda_head_dim \
+            * DTYPES[self.dtype].itemsize
+        return width * per_token * sum(1 for i in config.kda_layers if layers is None or i in layers)
+
     def _mla_layers_in(self, layers: range | None) -> int:
         return sum(1 for i in self.config.mla_layers if layers is None or i in layers)
 

@@ -86,6 +86,7 @@ class Plan:
     state_bytes_per_slot: int                   # whole model
     state_bytes_per_slot_per_rank: int          # / attention TP
     ring_bytes_per_slot_per_rank: int           # the ReplaySSM ring per slot (0 without ReplaySSM spec-verify)
+    window_bytes_per_request_per_rank: int      # conv verify windows per running request (ReplaySSM spec-verify)
     slots_per_request: int                      # S
     verify_states: int                          # D
     balanced_ratio: float
@@ -126,6 +127,7 @@ class Plan:
             "state_bytes_per_slot": self.state_bytes_per_slot,
             "state_bytes_per_slot_per_rank": self.state_bytes_per_slot_per_rank,
             "ring_bytes_per_slot_per_rank": self.ring_bytes_per_slot_per_rank,
+            "window_bytes_per_request_per_rank": self.window_bytes_per_request_per_rank,
             "slots_per_request": self.slots_per_request,
             "verify_states": self.verify_states,
             "balanced_ratio": self.balanced_ratio,
@@ -149,6 +151,17 @@ def draft_model(model: str, spec: str) -> dict[str, Any] | None:
     return (anchors()["models"].get(model, {}).get("spec") or {}).get(spec)
 
 
+def draft_kv_bytes(draft: dict[str, Any]) -> int:
+    """A draft model's KV per token: the recorded figure, else its cache from its config (an MLA draft caches
+    kv_lora_rank + qk_rope_head_dim values per layer, as SGLang's MLA pool does)."""
+    if "draft_kv_bytes_per_token" in draft:
+        return draft["draft_kv_bytes_per_token"]
+    config = draft["draft_config"]
+    if config["attention"] != "mla":
+        raise ValueError(f"no KV formula for a {config['attention']} draft is recorded.")
+    return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * config["dtype_bytes"]
+
+
 def resolve_cache(request: PlanRequest) -> CacheSettings:
     """The request's cache settings with the draft's block size and KV per token defaulted from the anchors'
     draft model."""
@@ -163,7 +176,7 @@ def resolve_cache(request: PlanRequest) -> CacheSettings:
         if settings.draft_tokens == 0:
             settings = replace(settings, draft_tokens=draft["draft_tokens"])
         if settings.draft_kv_bytes is None:
-            settings = replace(settings, draft_kv_bytes=draft["draft_kv_bytes_per_token"])
+            settings = replace(settings, draft_kv_bytes=draft_kv_bytes(draft))
     settings.check()
     return settings
 
@@ -242,12 +255,14 @@ def _pools(request: PlanRequest, model: ModelFacts, settings: CacheSettings, sta
     widest = max(model.state_bytes_per_slot(settings.ssm_dtype, stage) for stage in stages)
     state = max(1, widest // layout.attention_tp)
     ring = max(_ring_bytes(model, settings, stage) for stage in stages) // layout.attention_tp
+    window = max(_window_bytes(model, settings, stage) for stage in stages) // layout.attention_tp
     results = []
     for s, stage in enumerate(stages):
         kv = kv_bytes_per_token_per_rank(model.kv_bytes_per_token(settings.kv_dtype, stage, settings.row_scales),
                                          layout.dcp, settings)
         inputs = PoolInputs(rest_bytes=budget - sum(stage_weights[s].values()), ratio=ratio, state_bytes=state,
                             kv_bytes_per_token=kv, slots_per_request=slots, verify_states=verify, ring_bytes=ring,
+                            window_bytes=window,
                             context_len=model.config.max_position_embeddings, dp=layout.dp,
                             max_running_requests=_max_running(request, settings),
                             max_mamba_cache_size=request.max_mamba_cache_size,
@@ -334,6 +349,7 @@ def min_devices(model: ModelFacts, device: Device, settings: CacheSettings, mem_
         pools = size_pools(PoolInputs(rest_bytes=int(rest), ratio=ratio, state_bytes=state, kv_bytes_per_token=kv,
                                       slots_per_request=slots, verify_states=verify,
                                       ring_bytes=_ring_bytes(model, settings) // attention_tp,
+                                      window_bytes=_window_bytes(model, settings) // attention_tp,
                                       context_len=model.config.max_position_embeddings))
         if pools.holds(avg_request_len):
             return math.ceil(ranks / device.ranks_per_device)
@@ -359,6 +375,15 @@ def _unknowns(device: Device, request: PlanRequest, draft_bytes: int | None) -> 
     return unknowns
 
 
+def _window_bytes(model: ModelFacts, settings: CacheSettings, layers: range | None = None) -> int:
+    """The conv verify windows of one running request over `layers` that SGLang keeps under ReplaySSM spec-verify
+    (its verify states are gone, the conv rollback windows are not); 0 otherwise (without ReplaySSM they are part
+    of the D verify states)."""
+    if settings.spec == "none" or not settings.replay_ssm or settings.mode == "prefill":
+        return 0
+    return model.conv_window_bytes_per_request(verify_width(settings), layers)
+
+
 def _kv_note(settings: CacheSettings, model: ModelFacts) -> str | None:
     if settings.kv_layout == "kestrel":
         return ("KV counted in kestrel's layout (fp8 with a 4-byte scale per token and row)"
@@ -379,12 +404,16 @@ def _spec_notes(request: PlanRequest, settings: CacheSettings) -> list[str]:
              "draft weights counted on every rank; SGLang resets an unset --max-running-requests to 48; the roofline "
              "assumes every drafted token is accepted",
              f"the draft's KV: {settings.draft_kv_bytes:,} B per token per rank ("
-             + (draft["draft_kv_source"] if draft and settings.draft_kv_bytes == draft["draft_kv_bytes_per_token"]
+             + (draft["draft_kv_source"] if draft and settings.draft_kv_bytes == draft_kv_bytes(draft)
                 else "given") + ")"]
     if settings.replay_ssm:
         notes.append(f"ReplaySSM spec-verify: no verify states (D = 0), but a ring of {settings.replay_cache_len} "
-                     "steps per state slot that SGLang charges to the state pool; the pinned ratio (the page's "
-                     "calculator) leaves the ring out")
+                     "steps per state slot (--linear-replayssm-cache-len: the ring length of a KDA model) and the conv "
+                     f"verify windows of every running request ({verify_width(settings)} tokens deep, kept for the "
+                     "conv rollback), both charged to the state pool as SGLang's newer solver charges them "
+                     "(test_replayssm_spec_drops_snapshots_and_charges_the_ring; 0.5.23 leaves the windows out); the "
+                     "pinned ratio (the page's calculator) "
+                     "leaves both out")
     return notes
 
 
@@ -481,6 +510,7 @@ def plan(request: PlanRequest) -> Plan:
                 state_bytes_per_slot=model.state_bytes_per_slot(settings.ssm_dtype),
                 state_bytes_per_slot_per_rank=state_rank,
                 ring_bytes_per_slot_per_rank=_ring_bytes(model, settings) // layout.attention_tp,
+                window_bytes_per_request_per_rank=_window_bytes(model, settings) // layout.attention_tp,
                 slots_per_request=slots, verify_states=verify,
                 balanced_ratio=balanced, ratio=ratio, memory_bytes_per_rank=memory_per_rank, pools=pools, fits=fits,
                 fit_reason=reason, min_devices=others, roofline=steps, crossovers=_crossovers(model, steps),

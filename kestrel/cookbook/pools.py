@@ -4,10 +4,12 @@ python/sglang/srt/mem_cache/kv_cache_configurator.py: `_handle_max_mamba_cache` 
 rest = memory x mem_fraction - weights. The state pool holds K slots per attention-DP worker:
 - `--max-mamba-cache-size` pins K = that // dp;
 - with the radix cache disabled and `--max-running-requests` set, K = that // dp;
-- otherwise K comes from the ratio budget rest x r / (1 + r): K = (budget - slot) // slot, where a slot is the
-  state plus, under ReplaySSM spec-verify, its ring; under speculation without ReplaySSM the D verify states of every
-  admitted request share the budget: K = (budget - state x (1 + D)) // (state x (1 + D / S)).
-The verify states take state x (admitted + 1) x D; the K slots take (K + 1) slots (the pool's padding slot); the KV
+- otherwise K comes from the ratio budget rest x r / (1 + r): K = (budget - slot) // slot without speculation,
+  where a slot is the state plus, under ReplaySSM spec-verify, its ring; under speculation the verify scratch of every
+  admitted request shares the budget: K = (budget - slot - scratch) // (slot + scratch / S).
+The verify scratch of one request is its D verify states (state x D) without ReplaySSM; under ReplaySSM spec-verify D
+is 0 but the conv verify windows stay (SGLang keeps them for the conv rollback: the conv state, W verified tokens
+deep). The scratch takes scratch x (admitted + 1); the K slots take (K + 1) slots (the pool's padding slot); the KV
 pool gets the rest. A worker admits min(--max-running-requests // dp (else 2,048-4,096 by token capacity),
 tokens // 2, K // S) requests. Plans of kestrel's own engine call its planner instead
 (kestrel/engine/cache/planner.py, through planner.py).
@@ -31,6 +33,7 @@ class PoolInputs:
     slots_per_request: int            # S
     verify_states: int = 0            # D (0 under ReplaySSM spec-verify)
     ring_bytes: int = 0               # the ReplaySSM ring of one slot (0 without ReplaySSM spec-verify)
+    window_bytes: int = 0             # the conv verify windows of one request under ReplaySSM spec-verify
     context_len: int = 1_048_576
     dp: int = 1                       # attention-DP workers
     max_running_requests: int | None = None
@@ -56,9 +59,15 @@ def _per_worker(count: int | None, dp: int) -> int | None:
     return None if count is None else count // dp
 
 
+def _scratch(inputs: PoolInputs) -> int:
+    """The verify scratch of one running request: its D verify states, and the conv verify windows that ReplaySSM
+    spec-verify keeps."""
+    return inputs.state_bytes * inputs.verify_states + inputs.window_bytes
+
+
 def _verify_bytes(inputs: PoolInputs, requests: int) -> int:
-    """The verify states of `requests` admitted requests plus the padding row."""
-    return inputs.state_bytes * (requests + 1) * inputs.verify_states
+    """The verify scratch of `requests` admitted requests plus the padding row."""
+    return _scratch(inputs) * (requests + 1)
 
 
 def _capped_requests(inputs: PoolInputs, slots: int) -> int:
@@ -76,11 +85,10 @@ def state_slots(inputs: PoolInputs) -> tuple[int, int]:
     if inputs.radix_disabled and running is not None:
         return running, _verify_bytes(inputs, running)
     budget = inputs.rest_bytes * inputs.ratio / (1 + inputs.ratio)
-    d, s = inputs.verify_states, inputs.slots_per_request
-    if d:
-        slots = int((budget - inputs.state_bytes * (1 + d)) // (inputs.state_bytes * (1 + d / s)))
+    slot, scratch = inputs.state_bytes + inputs.ring_bytes, _scratch(inputs)
+    if scratch:
+        slots = int((budget - slot - scratch) // (slot + scratch / inputs.slots_per_request))
         return slots, _verify_bytes(inputs, _capped_requests(inputs, slots))
-    slot = inputs.state_bytes + inputs.ring_bytes
     return int((budget - slot) // slot), 0
 
 

@@ -215,7 +215,8 @@ def _with_hicache(cell: SGLangCell, request: RecipeRequest) -> SGLangCell:
     drops_dcp = request.hicache == "host+storage" or request.spec not in ("none", "mtp")
     if drops_dcp and cell.layout.dcp > 1:
         flags = drop_flags(flags, "--dcp-size", "--dcp-comm-backend")
-    return replace(cell, flags=flags, env=[*cell.env, *tier["env"]], notes=[*cell.notes, tier["note"]])
+    notes = [tier["note"], *([hicache["decode_note"]] if request.mode == "decode" else [])]
+    return replace(cell, flags=flags, env=[*cell.env, *tier["env"]], notes=[*cell.notes, *notes])
 
 
 def _with_quant(cell: SGLangCell, request: RecipeRequest, quant: str) -> SGLangCell:

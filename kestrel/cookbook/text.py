@@ -60,7 +60,9 @@ def plan_text(plan: Plan) -> str:
                                + (f" + ReplaySSM ring {plan.ring_bytes_per_slot_per_rank:,} B"
                                   if plan.ring_bytes_per_slot_per_rank else "")),
         ("state slots per request", f"S = {plan.slots_per_request} ({cache.radix_strategy}, {cache.mode}), "
-                                    f"D = {plan.verify_states} ({cache.spec})"),
+                                    f"D = {plan.verify_states} ({cache.spec})"
+                                    + (f"; conv verify windows {plan.window_bytes_per_request_per_rank:,} B per "
+                                       "running request per rank" if plan.window_bytes_per_request_per_rank else "")),
         ("memory ratio", f"{plan.ratio:.4g} (balanced for {request.avg_request_len:,}-token requests: "
                          f"{plan.balanced_ratio:.4g})"),
     ]

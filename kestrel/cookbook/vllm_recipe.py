@@ -1,5 +1,5 @@
 """vLLM's launch command for a recipe: the strategy of vLLM's Kimi-K3 recipe that matches the lane, composed the
-way the recipes site's command builder composes it (vllm-project/recipes src/lib/command-synthesis.js @2c22f3fe):
+way the recipes site's command builder composes it (vllm-project/recipes src/lib/command-synthesis.js @8959cf64):
 base arguments, the strategy's arguments and parallelism, the recipe's strategy overrides, the hardware family's
 arguments (a strategy's own family override replaces them), exact-GPU arguments, then the features (tool calling,
 reasoning, speculation). PD recipes disaggregate through NixlConnector and end with vllm-router's command. The GPU
@@ -13,6 +13,8 @@ from typing import Any
 
 from .anchors import anchors
 from .flags import Flags, merge_flags, parse_flags, render_flags
+from .layout import Layout
+from .planner import PlanRequest, plan
 from .recipe_request import RecipeRefused, RecipeRequest
 from .sglang_recipe import SGLangCell
 
@@ -40,6 +42,8 @@ def _strategy_name(request: RecipeRequest, cell: SGLangCell) -> str:
                             f"{gpus} GPUs.")
     if "any" in lane:
         return lane["any"]
+    if request.hardware in lane.get("hardware", {}):      # the recipe's strategy_hardware grants and opt-outs
+        return lane["hardware"][request.hardware]
     if cell.layout.pp > 1 and "pipelined" in lane:
         if request.hardware not in vllm["pipelined_hardware"]:
             raise RecipeRefused("vLLM's recipe has no pipelined strategy for this hardware.")
@@ -67,6 +71,13 @@ def _parallel_flags(kind: str, cell: SGLangCell, role: str | None) -> tuple[str,
         return f"--tensor-parallel-size {gpus}{rendezvous}", workers
     if kind == "tep8":
         return f"--tensor-parallel-size {gpus} --enable-expert-parallel{rendezvous}", workers
+    if kind == "tp_dp":           # one TP replica per node, DP across the nodes (vLLM's multi_node_tp_dp)
+        flags = f"--tensor-parallel-size {cell.per_node}"
+        if nodes == 1:
+            return flags, []
+        return (f"{flags} --data-parallel-size {nodes} --data-parallel-size-local 1 --data-parallel-address "
+                "<head-node-ip> --data-parallel-start-rank <node-index>",
+                ["one command per node (one replica each), each with its own --data-parallel-start-rank"])
     if kind == "tp_pp":
         return f"--tensor-parallel-size {cell.per_node} --pipeline-parallel-size {nodes}{rendezvous}", workers
     flags = (f"--data-parallel-size {gpus} --data-parallel-size-local {cell.per_node} "
@@ -143,6 +154,20 @@ def _check_offered(request: RecipeRequest) -> None:
         raise RecipeRefused(f"vLLM's K3 recipe has no {request.quant} variant (it has MXFP4 and NVFP4).")
 
 
+def _check_replica_fits(request: RecipeRequest, cell: SGLangCell, name: str, strategy: dict[str, Any]) -> None:
+    """RecipeRefused when the strategy puts a whole replica on one node (tp_dp) and kestrel's plan of that replica
+    (TP over one node's devices, the checkpoint's weights) does not fit; a device of unknown memory is not refused."""
+    if strategy["parallel"] != "tp_dp":
+        return
+    replica = plan(PlanRequest(model=request.model, hardware=request.hardware, layout=Layout(tp=cell.per_node),
+                               compare_devices=False, batches=(1,)))
+    if replica.fits is False:
+        raise RecipeRefused(strategy["refusal"].format(
+            strategy=name, hardware=request.hardware, tp=cell.per_node,
+            weights=replica.weight_bytes_per_rank_total / 1e9,
+            memory=replica.device.memory_bytes / 1e9) + ".")
+
+
 def compose(request: RecipeRequest, cell: SGLangCell) -> VLLMCommand:
     """vLLM's command for the lane of `cell`, or RecipeRefused with the reason vLLM's recipe does not cover it."""
     _check_offered(request)
@@ -150,6 +175,7 @@ def compose(request: RecipeRequest, cell: SGLangCell) -> VLLMCommand:
     family = _family(cell)
     name = _strategy_name(request, cell)
     strategy = vllm["strategies"][name]
+    _check_replica_fits(request, cell, name, strategy)
     flags, notes = _strategy_flags(strategy, cell, family)
     flags = merge_flags(flags, _features(request, name, family))
     model = anchors()["models"][request.model]

@@ -117,3 +117,15 @@ def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):
     assert run("plan", "--model", str(BUNDLED_MODEL), "--hardware", "cpu", "--tp", "2", "--dp", "2", "--engine",
                "kestrel", "--batch", "1", "--json") == 0
     assert max(dp2) == json.loads(capsys.readouterr().out)["weight_bytes_per_rank_total"] and min(dp2) > max(tp2)
+
+
+def test_no_buffer_with_the_overlap_scheduler_is_refused(capsys):
+    """Issue 59 row 6: SGLang's mamba_hook.validate_mamba_no_buffer asserts disable_overlap_schedule (besides page
+    size 1 and no trtllm_mha), so the planner refuses no_buffer with the overlap scheduler on: one sentence, exit 2."""
+    from kestrel.cli import main
+    argv = ["plan", "--model", "k3", "--hardware", "b300", "--tp", "8", "--radix-strategy", "no_buffer"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no_buffer" in err and "--disable-overlap-schedule" in err and err.count("\n") == 1
+    assert main([*argv, "--disable-overlap-schedule", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["slots_per_request"] == 3

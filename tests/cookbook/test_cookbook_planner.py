@@ -251,16 +251,29 @@ def test_replayssm_ring_reproduces_sglangs_worked_values():
     assert model_facts("k3").replay_ring_bytes_per_slot(16) // 8 == 69 * 295_680 == 20_401_920
 
 
-def test_replay_ring_is_charged_per_state_slot():
-    """kv_cache_configurator._handle_max_mamba_cache: under ReplaySSM spec-verify a slot costs state + ring."""
+def test_replay_ring_is_charged_per_state_slot_and_the_conv_windows_per_request():
+    """Issue 59 row 10. SGLang's newer solver (its CPU test of the speculative Mamba verify scratch,
+    test_replayssm_spec_drops_snapshots_and_charges_the_ring): under ReplaySSM spec-verify a slot costs state + ring
+    (a KDA model's ring is --linear-replayssm-cache-len long, 16), the verify states are gone, but the conv verify
+    windows stay (the conv rollback reads them), W verified tokens deep per running request plus the padding row, in
+    the joint solve K = (budget - slot - window) // (slot + window / S). KDA keeps the dense window layout: each
+    token's window is the conv state, (K - 1) x 3 x heads x head_dim in bf16."""
     settings = CacheSettings(spec="mtp", replay_ssm=True)
     with_ring = plan(PlanRequest(layout=Layout(tp=8, dcp=8), cache=settings, max_running_requests=256))
     assert with_ring.verify_states == 0 and with_ring.ring_bytes_per_slot_per_rank == 20_401_920
+    window = 69 * 3 * 3 * 12 * 128 * 2 * 8                     # 69 KDA layers, 12 heads per rank, DSPARK's W = 8
+    assert with_ring.window_bytes_per_request_per_rank == window == 15_261_696
     pools, state = with_ring.pools, with_ring.state_bytes_per_slot_per_rank + with_ring.ring_bytes_per_slot_per_rank
+    s = with_ring.slots_per_request
     budget = pools.rest_bytes * with_ring.ratio / (1 + with_ring.ratio)
-    assert pools.state_slots == int((budget - state) // state)
+    assert pools.state_slots == int((budget - state - window) // (state + window / s))
+    capped = min(256, pools.state_slots // s)
     kv_per_token = 27_648 / 8 + 1400
-    assert pools.kv_tokens == int((pools.rest_bytes - (pools.state_slots + 1) * state) // kv_per_token)
+    scratch = (capped + 1) * window
+    assert pools.kv_tokens == int((pools.rest_bytes - scratch - (pools.state_slots + 1) * state) // kv_per_token)
+    # a PD prefill server never verifies: no windows
+    prefill = plan(PlanRequest(layout=Layout(tp=8), cache=dataclasses.replace(settings, mode="prefill")))
+    assert prefill.window_bytes_per_request_per_rank == 0
 
 
 def test_the_drafts_own_kv_per_token():

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kestrel.cookbook import sglang_recipe, vllm_recipe
 from kestrel.cookbook.calculator import ratio_text
 from kestrel.cookbook.flags import flag_value, has_flag, parse_flags, render_flags
 from kestrel.cookbook.planner import plan
@@ -165,7 +166,7 @@ def test_k31_lanes_are_its_own_pages():
     assert recipe("k3.1-pro/b300/decode/high-throughput").sglang_status == "Verified (without speculation)"
     prefill = recipe("k3.1-pro/b300/prefill/high-throughput").plan.request.layout
     assert (prefill.pp, prefill.tp) == (4, 2)
-    assert "--pcp-size 2" in recipe("k3.1-pro/b300/prefill/high-throughput").commands["sglang"].lines[0]
+    assert "--attn-cp-size 2" in recipe("k3.1-pro/b300/prefill/high-throughput").commands["sglang"].lines[0]
     mi = recipe("k3.1-pro/mi355x/decode/high-throughput")
     assert mi.commands["sglang"].image is None and mi.plan.request.layout.dcp == 8
 
@@ -361,3 +362,116 @@ def test_hopper_decode_cells_carry_the_pages_environment():
     assert h200.startswith("NCCL_MNNVL_ENABLE=1 NCCL_CUMEM_ENABLE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 sglang")
     h100 = recipe("k3/h100/decode/balanced").commands["sglang"].lines[0]
     assert h100.startswith("NCCL_CUMEM_ENABLE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 PYTORCH_CUDA_ALLOC_CONF=")
+
+
+# Issue 59: a second review against SGLang's and vLLM's sources (rows 1-10 of its table; row 6 is in
+# test_cookbook_cli.py, row 10 in test_cookbook_planner.py).
+
+
+def test_k31_prefill_context_parallelism_uses_sglangs_flags():
+    """Row 1. SGLang has no --pcp-size (0.5.23's parser: unrecognized arguments); prefill context parallelism is
+    --attn-cp-size with --enable-prefill-cp, which needs --cp-strategy (server_args._handle_context_parallelism
+    raises without it; interleave is what SGLang maps DSA prefill CP to). PP4 x PCP2 on 8 GPUs: TP2 x PP4, CP2
+    inside the TP group."""
+    for hardware in ("b300", "gb300"):
+        r = recipe(f"k3.1-pro/{hardware}/prefill/high-throughput")
+        flags = sglang_flags(r)
+        assert not has_flag(flags, "--pcp-size")
+        assert [flag_value(flags, f) for f in ("--tp-size", "--pp-size", "--attn-cp-size", "--cp-strategy")] == \
+            ["2", "4", "2", "interleave"]
+        assert has_flag(flags, "--enable-prefill-cp")
+        assert r.plan.request.layout.world == 8
+
+
+def test_every_gb200_gb300_cell_skips_sglangs_tp_memory_imbalance_check():
+    """Row 2. Every gb200/gb300 cell of SGLang's newest stored kimi-k3.jsx sets
+    SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (unified, prefill and decode)."""
+    lanes = [r for r in base_requests(models=("k3",), cpu=False) if r.hardware in ("gb200", "gb300")]
+    assert len(lanes) == 16
+    for request in lanes:
+        line = make_recipe(request).commands["sglang"].lines[0]
+        assert line.startswith("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 sglang serve"), request.id
+
+
+def test_vllm_h200_high_throughput_is_multi_node_tp_dp_and_refused_when_a_replica_does_not_fit():
+    """Row 3. vllm-project/recipes Kimi-K3.yaml @8959cf64: strategy_hardware multi_node_dep: h200: unsupported, and
+    multi_node_tp_dp (one TP replica per node, DP across nodes) granted on h200. kestrel models tp_dp as the command
+    builder emits it, and refuses H200's: a TP8 replica of K3 needs about 205 GB per rank of a 141 GB H200."""
+    r = recipe("k3/h200/unified/high-throughput")
+    assert "vllm" not in r.commands
+    reason = r.refusals["vllm"]
+    assert "multi_node_dep unsupported on h200" in reason and "multi_node_tp_dp" in reason and "141 GB" in reason
+    assert recipe("k3/gb200/unified/high-throughput").commands["vllm"].strategy == "multi_node_dep"
+    # the tp_dp shape itself, on H200's 2 x 8 cell: TP8 x DP2, one replica per node (command-synthesis.js tp_dp)
+    h200 = sglang_recipe.compose(RecipeRequest.from_id("k3/h200/unified/low-latency"))
+    flags, notes = vllm_recipe._parallel_flags("tp_dp", h200, None)
+    assert flags.startswith("--tensor-parallel-size 8 --data-parallel-size 2 --data-parallel-size-local 1 ")
+    assert "--data-parallel-start-rank <node-index>" in flags and notes
+
+
+def test_vllm_pd_prefill_runs_without_enforce_eager():
+    """Row 4. vllm-project/recipes 6f19519 "Remove enforce eager in prefill of PD" (#828): strategies/pd_cluster.yaml
+    and Kimi-K3.yaml's pd_cluster.prefill no longer pass --enforce-eager."""
+    prefills = [r for r in base_requests(models=("k3",), cpu=False) if r.mode == "prefill"]
+    commands = [make_recipe(r).commands.get("vllm") for r in prefills]
+    assert len([c for c in commands if c]) == 8
+    for command in filter(None, commands):
+        assert "--enforce-eager" not in command.lines[0] and "kv_producer" in command.lines[0]
+
+
+def test_k31_dflash2_draft_kv_comes_from_its_mla_config():
+    """Row 5. RadixArk/Kimi-K3.1-Dflash2-Preview is a 5-layer MLA draft in BF16: 5 x (512 + 64) x 2 = 5,760 B per
+    token (SGLang's 10,240 B help figure is an MHA draft's); the B300 decode Balanced ratio is then 4.67, not 3.18."""
+    r = recipe("k3.1-pro/b300/decode/balanced,spec=dflash")
+    plan_ = r.plan
+    assert plan_.request.cache.draft_kv_bytes is None
+    kv_rank = plan_.kv_bytes_per_token / 8 + 5 * (512 + 64) * 2
+    assert plan_.kv_bytes_per_token_per_rank == kv_rank
+    assert r.ratio_text == "4.67" and flag_value(sglang_flags(r), "--mamba-full-memory-ratio") == "4.67"
+
+
+def test_k31_mi35x_lanes_carry_no_k3_mla_decode_tune():
+    """Row 7. SGLANG_MLA_DECODE_TUNE=1 is the Non-Spec overlay of K3's page on MI35x (an MLA decode tune); K3.1 Pro's
+    attention is DSA and its page's overlays were not retrievable, so its MI35x lanes carry none; K3's keep it."""
+    for mode in ("prefill", "decode"):
+        line = recipe(f"k3.1-pro/mi355x/{mode}/high-throughput").commands["sglang"].lines[0]
+        assert "SGLANG_MLA_DECODE_TUNE" not in line
+    assert "SGLANG_MLA_DECODE_TUNE=1" in recipe("k3/mi355x/unified/balanced").commands["sglang"].lines[0]
+
+
+def test_ascend_cells_carry_the_pages_environment_and_multithread_load():
+    """Row 8. SGLang's newest stored kimi-k3.jsx: both NPU cells pass --model-loader-extra-config
+    '{"enable_multithread_load": true}'; the A3 cell sets 23 environment variables, the A5 cell 19."""
+    for recipe_id, count, sample in (
+            ("k3/ascend-a3/unified/balanced,spec=mtp,quant=w4a8", 23, "DEEPEP_HCCL_BUFFSIZE=1800"),
+            ("k3/ascend-950pr/unified/balanced,spec=mtp", 19, "SGLANG_NPU_USE_FIAS_V2_BSND=True")):
+        line = recipe(recipe_id).commands["sglang"].lines[0]
+        env = line[:line.index(" sglang serve")].split()
+        assert len(env) == count and sample in env and "SGLANG_RAGGED_VERIFY_MODE=static" in env
+        assert flag_value(parse_flags(line[line.index("--"):]), "--model-loader-extra-config") == \
+            '{"enable_multithread_load": true}'
+
+
+def test_pd_decode_hicache_says_the_flag_is_inert():
+    """Row 9. SGLang's scheduler: enable_decode_hicache = disaggregation_decode_enable_radix_cache and
+    enable_hierarchical_cache. The page's HiCache overlay adds only --enable-hierarchical-cache on a decode role: the
+    command stays as the page prints it and the note says it is inert there."""
+    r = recipe("k3/b300/decode/low-latency,hicache=host")
+    flags = sglang_flags(r)
+    assert has_flag(flags, "--enable-hierarchical-cache")
+    assert not has_flag(flags, "--disaggregation-decode-enable-radix-cache")
+    assert any("inert" in n and "--disaggregation-decode-enable-radix-cache" in n for n in r.commands["sglang"].notes)
+    assert not any("inert" in n for n in recipe("k3/b300/unified/low-latency,hicache=host").commands["sglang"].notes)
+
+
+def test_each_cell_table_names_its_upstream_file_and_commit():
+    """Issue 59's build list: per cell table, the upstream file and commit it was read from, and where the newest
+    stored upstream differs (gb300 prefill Default lost --enable-symm-mem)."""
+    from kestrel.cookbook.anchors import anchors
+    provenance = anchors()["provenance"]
+    for table in ("cells (K3, SGLang)", "cells (K3.1 Pro, SGLang)", "vllm", "sglang_calculator"):
+        assert {"file", "commit", "newest_stored_differs"} <= set(provenance[table]), table
+    assert provenance["vllm"]["commit"].startswith("8959cf64")
+    assert any("--enable-symm-mem" in d for d in provenance["cells (K3, SGLang)"]["newest_stored_differs"])
+    notes = recipe("k3/gb300/prefill/low-latency").commands["sglang"].notes
+    assert any("drops --enable-symm-mem" in n for n in notes)

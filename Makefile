@@ -6,7 +6,7 @@ KESTREL := $(VENV)/bin/kestrel
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: serve test clean
+.PHONY: serve test check-recipes clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -29,6 +29,13 @@ serve: $(VENV)/.runtime
 test: $(VENV)/.test
 	sh tools/install_browser.sh
 	$(PY) -m pytest -q -n 2
+
+# Parses every SGLang, vLLM and SGLang-router command the cookbook emits with the engines' own argument parsers
+# (SGLang 0.5.23, vLLM 0.34.0 and sglang-router 0.3.2 from PyPI, --no-deps, in .cache/upstream-venv: about 100 s to
+# build the first time; the parse about 40 s) and records the result in tests/cookbook/golden/upstream_check.json,
+# which the golden-file test checks. Run it after every change to tests/cookbook/golden/recipes.txt.
+check-recipes: $(VENV)/.runtime
+	$(PY) tools/check_upstream_parsers.py $(FIND_LINKS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -99,3 +99,25 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(golden_text())
     print(f"wrote {GOLDEN}", file=sys.stderr)
+
+
+# The golden file against SGLang's, vLLM's and SGLang's router's own argument parsers: `make check-recipes`
+# (tools/check_upstream_parsers.py) installs them and records what they reject, with the sha256 of the golden file it
+# checked. Installing them takes minutes, so the suite checks the record instead of running the parsers.
+UPSTREAM_CHECK = ROOT / "tests" / "cookbook" / "golden" / "upstream_check.json"
+
+
+def test_the_golden_file_was_parsed_by_the_upstream_parsers():
+    import json
+
+    record = json.loads(UPSTREAM_CHECK.read_text())
+    digest = hashlib.sha256(GOLDEN.read_bytes()).hexdigest()
+    assert record["golden_sha256"] == digest, (
+        f"the golden file changed without a new upstream check ({UPSTREAM_CHECK.relative_to(ROOT)} was made for "
+        f"another {GOLDEN.name}): run `make check-recipes`")
+    rejected = [f"{r['recipe']}: {r['message']}" for entry in record.values()
+                if isinstance(entry, dict) and "rejections" in entry for r in entry["rejections"]]
+    assert not rejected, (f"the upstream parsers reject {len(rejected)} cookbook commands (e.g. {rejected[:3]}); fix "
+                          f"the cell tables, refresh the golden file, then run `make check-recipes`")
+    assert isinstance(record.get("sglang"), dict) and record["sglang"]["argument_lists_parsed"] > 0, (
+        "the upstream check parsed no SGLang command: run `make check-recipes`")

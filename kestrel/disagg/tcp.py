@@ -3,7 +3,7 @@
 One connection per (room, index): the decode instance sends {"room", "index"}; the prefill instance answers, once
 that handoff exists, with the handoff (wire.py) or {"error"}; the decode instance verifies every tensor and answers
 {"ok": true} or {"error"}. A decode instance that hangs up before the handoff exists cancels it, so the prefill
-request stops too.
+request stops too; one that stalls is dropped after --disaggregation-timeout, and the handoff with it.
 """
 
 from __future__ import annotations
@@ -63,8 +63,13 @@ class TcpBackend(TransferBackend):
                 await write_frame(writer, {"error": str(e)})
             return
         try:
-            await write_handoff(writer, handoff)
-            ack = await read_frame(reader)
+            async with asyncio.timeout(outbox.timeout):       # a stalled decode instance holds no handoff for long
+                await write_handoff(writer, handoff)
+                ack = await read_frame(reader)
+        except TimeoutError:
+            outbox.finish(key, TransferError(f"the decode instance did not take this request's handoff within "
+                                             f"{outbox.timeout:g} s (--disaggregation-timeout)."))
+            return
         except (TransferError, ConnectionError) as e:
             outbox.finish(key, TransferError(f"the decode instance went away mid-transfer ({e})."))
             return

@@ -1,5 +1,5 @@
 """A PD handoff's failures end with a clear error: a prefill peer that stalls mid-transfer fails the fetch at its
-deadline, and a second prefill request for a room another one holds is refused (through the server: a 409 in
+deadline, a decode peer that never acknowledges is dropped at the prefill side's, and a second prefill request for a room another one holds is refused (through the server: a 409 in
 OpenAI's shape) while the first is handed over and answered as if alone. And kestrel.disagg has no import circle."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from kestrel.disagg.outbox import Outbox, RoomInUse
+from kestrel.engine.handoff import Handoff
 from kestrel.disagg.tcp import TcpBackend
 from kestrel.disagg.wire import TransferError, read_frame, write_frame
 from kestrel.server.options import ServerOptions
@@ -36,6 +38,27 @@ def test_a_peer_that_stalls_mid_transfer_fails_the_fetch_at_its_deadline():
                 await asyncio.wait_for(TcpBackend().fetch("127.0.0.1", port, (6, 0), 1.0), 10)
         finally:
             server.close()
+    asyncio.run(main())
+
+
+def test_a_decode_peer_that_never_acknowledges_is_dropped_at_the_deadline():
+    """The prefill side sends the handoff to a peer that reads it and never answers: the transfer fails within
+    --disaggregation-timeout and the prefill side closes the connection, releasing the handoff."""
+    async def main():
+        outbox, backend, port = Outbox(asyncio.get_running_loop(), 1.0), TcpBackend(), free_port()
+        await backend.serve(outbox, "127.0.0.1", port)
+        outcome = outbox.open((4, 0))
+        outbox.publish((4, 0), Handoff([5], 6, {"0.kda.0.conv": torch.zeros(8, dtype=torch.uint8)}, 0))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            await write_frame(writer, {"room": 4, "index": 0})
+            assert "error" not in await read_frame(reader)
+            assert await asyncio.wait_for(reader.read(), 10) == bytes(8)     # the tensor, then the close
+            with pytest.raises(TransferError, match="within 1 s"):
+                await outcome
+        finally:
+            writer.close()
+            await backend.close()
     asyncio.run(main())
 
 

@@ -2,7 +2,8 @@
 
 Coroutines hand requests and aborts to the engine thread through a queue; the thread applies them between steps,
 runs steps while there is work it can schedule (otherwise it sleeps until the next command), delivers each
-request's outputs to that request's asyncio queue, and publishes a snapshot of what it holds after each turn.
+request's outputs to that request's asyncio queue (one wake-up of the event loop per step for all of them), and
+publishes a snapshot of what it holds after each turn.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class AsyncEngine:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(outputs.get(), None if deadline is None else deadline - loop.time())
+                    item = await (outputs.get() if deadline is None
+                                  else asyncio.wait_for(outputs.get(), deadline - loop.time()))
                 except TimeoutError:
                     raise RequestTimedOut(f"the request ran longer than this server's limit of {timeout:g} s "
                                           "(--request-timeout) and was aborted.") from None
@@ -210,8 +212,8 @@ class AsyncEngine:
                     group.prefix_cache.reset()
             loop.call_soon_threadsafe(flushed.set_result, idle)
         elif kind == "abort_all":
-            for request_id in list(self.engine.requests):
-                self._deliver(request_id, self.engine.abort_request(request_id, rest[0]))
+            self._deliver_all([(request_id, self.engine.abort_request(request_id, rest[0]))
+                               for request_id in list(self.engine.requests)])
 
     def _step(self) -> None:
         try:
@@ -220,16 +222,35 @@ class AsyncEngine:
             log.exception("engine step failed")
             failed = self.engine.fail_running()
             self._stats = self._snapshot()
-            for request_id in failed:
-                self._deliver(request_id, RequestFailed(f"the engine failed while running this request: {e}"))
+            error = f"the engine failed while running this request: {e}"
+            self._deliver_all([(request_id, RequestFailed(error)) for request_id in failed])
             return
         self._stats = self._snapshot()      # before delivering: a client that saw its tokens is counted running
-        for output in outputs:
-            failed = [c for c in output.outputs if c.finish_reason == "error"]
-            self._deliver(output.request_id, RequestFailed(failed[0].stop_reason) if failed else output)
+        self._deliver_all([(output.request_id, _failure(output) or output) for output in outputs])
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its request's stream, waking each event loop once for all of its requests (a wake-up
+        costs the engine thread a system call and a turn of the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                loop, outputs = stream
+                batches.setdefault(loop, []).append((outputs, item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _failure(output: RequestOutput) -> RequestFailed | None:
+    """The failure of a request whose sequence ended with finish_reason "error", else None."""
+    failed = [c for c in output.outputs if c.finish_reason == "error"]
+    return RequestFailed(failed[0].stop_reason) if failed else None
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    """On the event loop: put each item on its stream's queue."""
+    for outputs, item in batch:
+        outputs.put_nowait(item)

@@ -224,6 +224,9 @@ class GatedMLA(nn.Module):
                         index_scores_out: list | None, attention_out: list | None) -> torch.Tensor:
         """Attention over each sequence's whole context gathered in a padded batch: q [T, H, 192] -> [T, H, v]."""
         context, context_keys = self._context(latent, index_keys, batch, cache)
+        if (self.indexer is not None and context.shape[1] > self.indexer.topk and index_scores_out is None
+                and attention_out is None):
+            return batch.from_padded(self._sparse(x, q, q_latent, context, context_keys, batch))
         mask = self._causal_mask(batch, context.shape[1])
         if self.indexer is not None:
             scores = self.indexer.scores(x, q_latent, context_keys, batch, mask)
@@ -235,6 +238,24 @@ class GatedMLA(nn.Module):
             attention_out.append(self.attention_distribution(q, context, mask))
         attend = self._absorbed if self._absorbed_form(batch) else self._plain
         return batch.from_padded(attend(q, context, mask))
+
+    def _sparse(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, context: torch.Tensor,
+                context_keys: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention over the indexer's top-k keys only, when the context holds more: q [T, H, 192], context
+        [N, S, 576], context_keys [N, S, D] -> [N, L, H, v_dim]. The indexer scores its keys block by block
+        (`ops.indexer_topk`) and each query reads its own top-k latents in the absorbed form (DeepSeek-V3.2's sparse
+        MQA mode; the plain form would expand K keys per query and head), so neither a [L, S] score matrix nor
+        attention over all S keys is formed; equal to the masked form (topk_mask, then attention under the mask)."""
+        index_q, weights = self.indexer.queries(x, q_latent)
+        last = batch.to_padded(batch.positions + 1) - 1                              # -1 marks padding rows
+        selected = ops.indexer_topk(batch.to_padded(index_q), context_keys, batch.to_padded(weights), last,
+                                    self.indexer.topk, self.indexer.reduce)
+        w_uk, w_uv = self._absorption()
+        q_nope, q_shared = batch.to_padded(q).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_full = torch.cat([torch.einsum("nlhd,hdr->nlhr", q_nope, w_uk), q_shared], dim=-1)
+        latent = context.unsqueeze(2)
+        o_latent = ops.sparse_attention(q_full, latent, latent[..., :self.latent_dim], selected, self.scale)
+        return torch.einsum("nlhr,hvr->nlhv", o_latent, w_uv)
 
     def _absorbed_form(self, batch: ForwardBatch) -> bool:
         return self.form == ABSORBED or (self.form == AUTO and (batch.max_new == 1 or batch.keep_token_states))

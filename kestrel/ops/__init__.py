@@ -5,9 +5,10 @@
 Layers import ops from here, never from a backend directly.
 """
 
-from .torch.attention import masked_attention
+from .torch.attention import masked_attention, sparse_attention
 from .torch.conv import causal_conv1d
-from .torch.indexer import indexer_scores, topk_mask
+from .torch.indexer import indexer_scores, indexer_topk, topk_mask
 from .torch.kda import chunk_kda, recurrent_kda
 
-__all__ = ["causal_conv1d", "chunk_kda", "indexer_scores", "masked_attention", "recurrent_kda", "topk_mask"]
+__all__ = ["causal_conv1d", "chunk_kda", "indexer_scores", "indexer_topk", "masked_attention", "recurrent_kda",
+           "sparse_attention", "topk_mask"]

@@ -50,8 +50,9 @@ def plain_forward(llm: LLM, prompt: list[int], output: list[int]) -> tuple[torch
 class IndexerSelections:
     """The indexer's top-k choices of one sequence's run, per indexed MLA layer: the positions each token attends.
 
-    The model's indexed layers are called in turn on every forward (chunked prefill through `ops.topk_mask`, decode
-    through `topk_positions`), so the n-th call belongs to layer n % layers and covers its next tokens."""
+    The model's indexed layers are called in turn on every forward (chunked prefill through `ops.indexer_topk`, or
+    `ops.topk_mask` where the context holds at most top-k keys; decode through `topk_positions`), so the n-th call
+    belongs to layer n % layers and covers its next tokens."""
 
     def __init__(self, llm: LLM):
         self.layers = sum(1 for m in llm.engine.model.modules() if isinstance(m, GatedMLA) and m.indexer is not None)
@@ -64,11 +65,16 @@ class IndexerSelections:
 
     def record(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Record the engine's choices from now on."""
-        topk_mask, topk_positions = ops.topk_mask, mla.topk_positions
+        topk_mask, topk_positions, indexer_topk = ops.topk_mask, mla.topk_positions, ops.indexer_topk
 
         def recorded_mask(scores, mask, topk):
             chosen = topk_mask(scores, mask, topk)
             self.add([set(row.nonzero().flatten().tolist()) for row in chosen[0]])
+            return chosen
+
+        def recorded_topk(*args, **kwargs):
+            chosen = indexer_topk(*args, **kwargs)
+            self.add([set(row[row >= 0].tolist()) for row in chosen[0]])
             return chosen
 
         def recorded_positions(scores, topk):
@@ -77,13 +83,14 @@ class IndexerSelections:
             return chosen
 
         monkeypatch.setattr(ops, "topk_mask", recorded_mask)
+        monkeypatch.setattr(ops, "indexer_topk", recorded_topk)
         monkeypatch.setattr(mla, "topk_positions", recorded_positions)
 
     def replay(self, monkeypatch: pytest.MonkeyPatch, near: float) -> list[int]:
         """Make a plain forward over the same tokens choose what the engine chose. Where its own choice differs,
         every key chosen by one and not the other must score within `near` (relative) of the row's k-th best, a
         near-tie float32 rounding can flip. Returns the list the forward fills with the rows whose choices differ."""
-        topk_mask, calls, flipped = ops.topk_mask, itertools.count(), []
+        topk_mask, indexer_topk, calls, flipped = ops.topk_mask, ops.indexer_topk, itertools.count(), []
 
         def replayed(scores, mask, topk):
             layer, own = next(calls), topk_mask(scores, mask, topk)
@@ -97,7 +104,22 @@ class IndexerSelections:
                     flipped.append(t)
             return chosen & mask
 
+        def replayed_topk(q, k, weights, last, topk, reduce=None):
+            layer, own = next(calls), indexer_topk(q, k, weights, last, topk, reduce)
+            chosen, scores = torch.full_like(own, -1), None
+            for t, positions in enumerate(self.rows[layer][:q.shape[1]]):
+                chosen[0, t, :len(positions)] = torch.tensor(sorted(positions))
+                differ = list(positions ^ set(own[0, t][own[0, t] >= 0].tolist()))
+                if differ:
+                    if scores is None:
+                        scores = ops.indexer_scores(q, k, weights, torch.arange(k.shape[1]) <= last.unsqueeze(-1))
+                    kth = scores[0, t].topk(topk).values[-1]
+                    assert ((scores[0, t, differ] - kth).abs() <= near * kth.abs()).all(), (layer, t)
+                    flipped.append(t)
+            return chosen
+
         monkeypatch.setattr(ops, "topk_mask", replayed)
+        monkeypatch.setattr(ops, "indexer_topk", replayed_topk)
         return flipped
 
 

@@ -60,3 +60,26 @@ def test_sparse_mla_equals_dense_mla_when_topk_covers_the_context():
         torch.testing.assert_close(layer(x, batch), dense(x, batch))
         layer.indexer.topk = 4
         assert not torch.allclose(layer(x, batch), dense(x, batch), atol=1e-3)
+
+
+def test_sparse_mla_well_above_topk_equals_the_masked_dense_formulation():
+    """A 320-token context with top-8 and repeated tokens (equal index scores, ties broken by position): the layer
+    (the indexer's selection block by block, attention over each query's 8 latents) equals the whole-context
+    formulation it replaces (scores over all causal keys, topk_mask, attention masked to them: what the layer still
+    runs when asked for its scores), in float32 and against that formulation in float64."""
+    model, _ = tiny_model("k3.1-tiny", dsa_config={"index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
+                                                   "dsa_layers": [4, 6]})
+    layer = model.model.layers[3].self_attn
+    gen = torch.Generator().manual_seed(0)
+    t = 320
+    x = torch.randn(40, layer.q_a_proj.weight.shape[1], generator=gen)[torch.randint(0, 40, (t,), generator=gen)]
+    batch = ForwardBatch.build([t])
+    with torch.no_grad():
+        scores = []
+        dense = layer(x, batch, index_scores_out=scores)
+        kth = scores[0].topk(8).values[..., -1:]
+        assert ((scores[0] == kth).sum(-1) > 1).sum() > t // 4              # ties at the cut in many rows
+        torch.testing.assert_close(layer(x, batch), dense, atol=1e-5, rtol=1e-5)
+        exact = layer.double()(x.double(), batch, index_scores_out=[]).float()
+        layer.float()
+        torch.testing.assert_close(layer(x, batch), exact, atol=1e-4, rtol=1e-4)

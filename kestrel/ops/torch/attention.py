@@ -24,3 +24,30 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         out = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
                                              v.float().transpose(1, 2), attn_mask=allowed, scale=scale).transpose(1, 2)
     return (out * has_key[..., None, None]).to(q.dtype)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """masked_attention with each query's keys listed rather than masked: every query reads only its own keys.
+
+    q: [N, L, H, D]; k: [N, S, Hk, D] and v: [N, S, Hk, Dv] (Hk = H or 1, as in masked_attention); selected:
+    [N, L, K] int64 key positions (-1: none; a position listed twice would count twice). Returns
+    [N, L, H, Dv] in q's dtype, equal to masked_attention with the mask that holds exactly the listed keys; a query
+    with none gets zeros. Work and memory grow with L * K, not L * S.
+    """
+    n, s = k.shape[:2]
+    listed = selected >= 0
+    flat = (torch.arange(n, device=q.device).view(n, 1, 1) * s + selected.clamp(min=0)).flatten(1)   # [N, L*K]
+    keys = k.flatten(0, 1)[flat].unflatten(1, selected.shape[1:]).float()                   # [N, L, K, Hk, D]
+    values = v.flatten(0, 1)[flat].unflatten(1, selected.shape[1:]).float()
+    if k.shape[2] == 1:     # one latent for all heads (absorbed MLA): a [H, D] x [D, K] product per query
+        scores = torch.einsum("nlhd,nlkd->nlhk", q.float(), keys[..., 0, :]) * scale
+    else:
+        scores = torch.einsum("nlhd,nlkhd->nlhk", q.float(), keys) * scale
+    scores = scores.masked_fill(~listed.unsqueeze(2), torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    if k.shape[2] == 1:
+        out = torch.einsum("nlhk,nlkd->nlhd", probs, values[..., 0, :])
+    else:
+        out = torch.einsum("nlhk,nlkhd->nlhd", probs, values)
+    return (out * listed.any(-1)[..., None, None]).to(q.dtype)

@@ -9,7 +9,8 @@ attends to positions 0..positions[t] of its sequence (all of them, or only those
 
 The query tokens come in groups of `tokens_per_seq` consecutive tokens of one sequence at increasing positions (1:
 a decode step; more: a speculative verification of equal drafts, `ForwardBatch.uniform`): each group reads its
-sequence's rows once, not once per token.
+sequence's rows once, not once per token. With `selected` (sparse MLA) each token reads only its
+selected rows, so a step's work does not grow with the context.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .attention import masked_attention
+from .indexer import topk_positions  # noqa: F401  (the selection decode runs; kept importable from here)
 
 
 def paged_rows(page_table: torch.Tensor, page_size: int, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -38,17 +40,6 @@ def selected_mask(selected: torch.Tensor, context_len: int) -> torch.Tensor:
     spill = torch.where(selected >= 0, selected, context_len)                 # unlisted entries land past the end
     mask = torch.zeros(selected.shape[0], context_len + 1, dtype=torch.bool, device=selected.device)
     return mask.scatter_(1, spill, True)[:, :context_len]
-
-
-def topk_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """The topk highest-scoring positions of each query, [T, min(topk, S)] int64, -1 where the score is -inf.
-
-    scores: [T, S] fp32, -inf at disallowed positions. Ties go to the earlier position, as in `topk_mask`, so the
-    selection equals topk_mask's: every allowed position when there are at most topk of them.
-    """
-    ranked = scores.sort(dim=-1, descending=True, stable=True)
-    chosen = ranked.indices[:, :topk]
-    return torch.where(ranked.values[:, :topk] > float("-inf"), chosen, -1)
 
 
 def group_rows(page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
@@ -74,14 +65,28 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     tokens_per_seq: the query tokens' grouping (see the module docstring).
     Returns [T, H, value_dim] in q's dtype; a query with no visible row gets zeros.
     """
+    if selected is not None:
+        return _sparse_decode(q, cache_values, cache_scales, page_table, page_size, seq_index, positions, scale,
+                              value_dim, selected)
     groups = q.shape[0] // tokens_per_seq
     context_len = page_table.shape[1] * page_size       # every position the table can hold (no host sync)
     rows, seen, mask = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
     # Rows past a group's last query may never have been written (the cache is not initialised): zero them.
     context = torch.where(seen.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)
     context = context.unsqueeze(2)                                                     # [T/L, S, 1, Dk]
-    if selected is not None:
-        mask = mask & selected_mask(selected, context_len)
     o = masked_attention(q.unflatten(0, (groups, tokens_per_seq)), context, context[..., :value_dim],
                          mask.unflatten(0, (groups, tokens_per_seq)), scale)
     return o.flatten(0, 1)
+
+
+def _sparse_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: torch.Tensor | None,
+                   page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
+                   scale: float, value_dim: int, selected: torch.Tensor) -> torch.Tensor:
+    """paged_mla_decode over the selected positions only: each query token reads its k listed rows (those at or
+    before its position), never the rest of its context. Equals the dense form masked to them."""
+    listed = (selected >= 0) & (selected <= positions.unsqueeze(1))                    # [T, k]
+    rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), selected.clamp(min=0))
+    context = torch.where(listed.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)
+    context = context.unsqueeze(2)                                                     # [T, k, 1, Dk]
+    o = masked_attention(q.unsqueeze(1), context, context[..., :value_dim], listed.unsqueeze(1), scale)
+    return o.squeeze(1)

@@ -25,7 +25,9 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: tor
     fp32.
     """
     groups = q.shape[0] // tokens_per_seq
-    rows, seen, mask = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
-    keys = torch.where(seen.unsqueeze(-1), read_rows(key_values, key_scales, rows, q.dtype), 0)   # unwritten: 0
+    rows, _, mask = group_rows(page_table, page_size, seq_index, positions, context_len, tokens_per_seq)
+    # Rows past a group's last token may be unwritten (NaN, say): each key only reaches its own score column, which
+    # the mask sets to -inf, so they are read as they are rather than zeroed first (a pass over the whole context).
+    keys = read_rows(key_values, key_scales, rows, q.dtype)
     q, weights, mask = (x.unflatten(0, (groups, tokens_per_seq)) for x in (q, weights, mask))
     return indexer_scores(q, keys, weights, mask).flatten(0, 1)

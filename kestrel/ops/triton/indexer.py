@@ -3,7 +3,7 @@
 Matches `kestrel.ops.torch.paged_indexer.paged_indexer_scores` (same signature). One program scores a block of
 cache positions for one query token: the keys are read once for all indexer heads, [Hi, D] x [D, S] is one
 matrix product, and the ReLU'd head scores are summed with the token's head weights. The top-k selection that
-follows stays in torch (`kestrel.ops.torch.paged_attention.topk_positions`, a stable sort).
+follows stays in torch (`kestrel.ops.torch.indexer.topk_positions`, one partial selection).
 """
 
 from __future__ import annotations

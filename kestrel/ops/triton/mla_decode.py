@@ -117,6 +117,8 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     """
     num_tokens, num_heads, row_width = q.shape
     q = q.contiguous()
+    if selected is not None:
+        selected = selected.contiguous()      # the kernel reads row t at selected + t * num_selected
     out = torch.empty(num_tokens, num_heads, value_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out

@@ -74,7 +74,8 @@ def test_mla_decode_matches_reference(cache_dtype: torch.dtype, sparse: bool) ->
     if sparse:
         scores = torch.randn(len(QUERIES), max(CONTEXTS), generator=generator)
         scores = scores.masked_fill(torch.arange(max(CONTEXTS)) > pos.unsqueeze(1), float("-inf"))
-        selected = reference.topk_positions(scores, 20)                # fewer than 20 visible for the first query
+        selected = reference.topk_positions(scores, 24)[:, :20]        # fewer than 20 visible for the first query
+        assert not selected.is_contiguous()                            # the top 20 of 24, as a strided view
     args = (q, cache.values, cache.scales, table, PAGE_SIZE, seq, pos, row_width ** -0.5, value_dim, selected)
     expected = reference.paged_mla_decode(*args)
     actual = paged_mla_decode(*args)

@@ -212,3 +212,11 @@ def write_draft(folder: Path, layout: str = "nemo", layers: int = 2, markov: str
     tensors = draft_tensors(layout, text, layers, markov=markov)
     save_file(tensors, str(folder / "model.safetensors"))
     return tensors
+
+
+def selected_mask(selected: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[T, context_len] bool, True at the positions listed in selected [T, k] (entries < 0 list nothing): the mask
+    form of a sparse selection, which masked attention took before it read listed positions."""
+    spill = torch.where(selected >= 0, selected, context_len)                 # unlisted entries land past the end
+    mask = torch.zeros(selected.shape[0], context_len + 1, dtype=torch.bool, device=selected.device)
+    return mask.scatter_(1, spill, True)[:, :context_len]

@@ -15,7 +15,7 @@ from torch import nn
 from .. import ops
 from ..config import ModelConfig
 from ..ops import backend
-from ..ops.torch.paged_attention import topk_positions
+from ..ops.torch.indexer import topk_positions
 from ..distributed.parallel import SINGLE, Parallel
 from . import dcp
 from .batch import ForwardBatch

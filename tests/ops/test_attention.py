@@ -9,6 +9,7 @@ from fla.ops.dsa.naive import naive_dsa, naive_dsa_indexer
 from kestrel.ops import indexer_scores, indexer_topk, masked_attention, sparse_attention, topk_mask
 from kestrel.ops.torch import paged_attention
 from kestrel.ops.torch.indexer import topk_positions
+from helpers import selected_mask
 
 
 def reference_attention(q, k, v, mask, scale):
@@ -146,7 +147,7 @@ def test_sparse_paged_decode_reads_only_the_selected_rows():
     only_selected[rows] = cache[rows]
     sparse = paged_attention.paged_mla_decode(q, only_selected, None, table, page_size, seq, pos, 0.2, value_dim,
                                               selected)
-    mask = paged_attention.selected_mask(selected, pages * page_size).unsqueeze(1)        # the former formulation
+    mask = selected_mask(selected, pages * page_size).unsqueeze(1)        # the former formulation
     context = cache[paged_attention.paged_rows(table, page_size, seq.unsqueeze(1),
                                                torch.arange(pages * page_size))].unsqueeze(2)
     expected = masked_attention(q.unsqueeze(1), context, context[..., :value_dim], mask, 0.2).squeeze(1)

@@ -36,18 +36,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selected
     with none gets zeros. Work and memory grow with L * K, not L * S.
     """
     n, s = k.shape[:2]
-    listed = selected >= 0
-    flat = (torch.arange(n, device=q.device).view(n, 1, 1) * s + selected.clamp(min=0)).flatten(1)   # [N, L*K]
-    keys = k.flatten(0, 1)[flat].unflatten(1, selected.shape[1:]).float()                   # [N, L, K, Hk, D]
-    values = v.flatten(0, 1)[flat].unflatten(1, selected.shape[1:]).float()
-    if k.shape[2] == 1:     # one latent for all heads (absorbed MLA): a [H, D] x [D, K] product per query
-        scores = torch.einsum("nlhd,nlkd->nlhk", q.float(), keys[..., 0, :]) * scale
-    else:
-        scores = torch.einsum("nlhd,nlkhd->nlhk", q.float(), keys) * scale
-    scores = scores.masked_fill(~listed.unsqueeze(2), torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1)
-    if k.shape[2] == 1:
-        out = torch.einsum("nlhk,nlkd->nlhd", probs, values[..., 0, :])
-    else:
-        out = torch.einsum("nlhk,nlkhd->nlhd", probs, values)
-    return (out * listed.any(-1)[..., None, None]).to(q.dtype)
+    rows = (torch.arange(n, device=q.device).view(n, 1, 1) * s + selected.clamp(min=0)).flatten(0, 1)  # [N*L, K]
+    keys, values = k.flatten(0, 1)[rows], v.flatten(0, 1)[rows]         # each query its own sequence of K keys
+    out = masked_attention(q.flatten(0, 1).unsqueeze(1), keys, values, (selected >= 0).flatten(0, 1).unsqueeze(1),
+                           scale)
+    return out.squeeze(1).unflatten(0, (n, -1))

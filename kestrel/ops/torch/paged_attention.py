@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from .attention import masked_attention
-from .indexer import topk_positions  # noqa: F401  (the selection decode runs; kept importable from here)
 
 
 def paged_rows(page_table: torch.Tensor, page_size: int, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -33,13 +32,6 @@ def read_rows(values: torch.Tensor, scales: torch.Tensor | None, rows: torch.Ten
     if scales is None:
         return values[rows].to(dtype)
     return (values[rows].float() * scales[rows].unsqueeze(-1)).to(dtype)
-
-
-def selected_mask(selected: torch.Tensor, context_len: int) -> torch.Tensor:
-    """[T, context_len] bool, True at the positions listed in selected [T, k] (entries < 0 list nothing)."""
-    spill = torch.where(selected >= 0, selected, context_len)                 # unlisted entries land past the end
-    mask = torch.zeros(selected.shape[0], context_len + 1, dtype=torch.bool, device=selected.device)
-    return mask.scatter_(1, spill, True)[:, :context_len]
 
 
 def group_rows(page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,

@@ -17,10 +17,11 @@ import torch
 
 from kestrel.layers.cache import FP8, PagedRows
 from kestrel.ops.torch import paged_attention as reference
-from kestrel.ops.torch.indexer import topk_mask
+from kestrel.ops.torch.indexer import topk_mask, topk_positions
 from kestrel.ops.torch.paged_indexer import paged_indexer_scores as reference_scores
 from kestrel.ops.triton.indexer import paged_indexer_scores
 from kestrel.ops.triton.mla_decode import paged_mla_decode
+from helpers import selected_mask
 
 PAGE_SIZE = 16
 CONTEXTS = [1, 48, 77, 150]                     # one token, three full pages, a partial page, several splits
@@ -74,7 +75,7 @@ def test_mla_decode_matches_reference(cache_dtype: torch.dtype, sparse: bool) ->
     if sparse:
         scores = torch.randn(len(QUERIES), max(CONTEXTS), generator=generator)
         scores = scores.masked_fill(torch.arange(max(CONTEXTS)) > pos.unsqueeze(1), float("-inf"))
-        selected = reference.topk_positions(scores, 24)[:, :20]        # fewer than 20 visible for the first query
+        selected = topk_positions(scores, 24)[:, :20]        # fewer than 20 visible for the first query
         assert not selected.is_contiguous()                            # the top 20 of 24, as a strided view
     args = (q, cache.values, cache.scales, table, PAGE_SIZE, seq, pos, row_width ** -0.5, value_dim, selected)
     expected = reference.paged_mla_decode(*args)
@@ -120,7 +121,7 @@ def test_grouped_queries_read_each_context_once_with_the_same_result(cache_dtype
     selected = None
     if sparse:
         scores = torch.randn(len(seq), max(CONTEXTS), generator=generator)
-        selected = reference.topk_positions(scores.masked_fill(torch.arange(max(CONTEXTS)) > pos.unsqueeze(1),
+        selected = topk_positions(scores.masked_fill(torch.arange(max(CONTEXTS)) > pos.unsqueeze(1),
                                                                float("-inf")), 30)
     args = (q, cache.values, cache.scales, table, PAGE_SIZE, seq, pos, 0.2, value_dim, selected)
     one_by_one = reference.paged_mla_decode(*args)
@@ -145,7 +146,7 @@ def test_topk_positions_select_what_topk_mask_selects() -> None:
     scores = scores.masked_fill(~visible, float("-inf"))
     for topk in (8, 40, 64):
         expected = topk_mask(scores.unsqueeze(1), visible.unsqueeze(1), topk).squeeze(1)
-        assert torch.equal(reference.selected_mask(reference.topk_positions(scores, topk), 40), expected)
+        assert torch.equal(selected_mask(topk_positions(scores, topk), 40), expected)
 
 
 def test_reference_matches_masked_attention_over_read_rows() -> None:

@@ -146,7 +146,7 @@ def _render_folder_chat(template: str, messages: list[Message], tools: list[Tool
     if not add_generation_prompt:
         return ChatPrompt([Segment(text, control=True)])
     opened = _opened_channel(text)
-    skip_thinking = json_mode or force_call or effort == "none" and not reads_effort
+    skip_thinking = json_mode or force_call or (effort == "none" and not reads_effort)
     start = _bundled_forced_start(opened, skip_thinking, force_call, tool_name)
     return ChatPrompt([Segment(text + start, control=True)], opened + start)
 

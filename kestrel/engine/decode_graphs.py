@@ -24,18 +24,23 @@ accepted token's). Those outputs are fresh tensors per call, so verifications ru
 a CUDA graph (its outputs would need static buffers of every token's recurrent state); under CUDA graphs they run
 as ordinary steps.
 
-On the CPU the static step can instead be compiled (`--enable-torch-compile`): torch.compile traces each
-(batch size, width) step into one graph, and inductor's C++ backend fuses its elementwise work into loops (a
+On the CPU the static step is compiled by default: torch.compile traces each (batch size, width) step into one
+graph, and inductor's C++ backend fuses its elementwise work into loops (a
 batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec), so a step is one call instead
 of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed
-experts run per pair in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling happens the
-first time a pair is needed (tens of seconds on two cores); inductor caches the compiled code on disk
-(TORCHINDUCTOR_CACHE_DIR, /tmp/torchinductor_$USER by default), so a restarted server recompiles in seconds. A
-step that fails to compile logs why and runs eagerly from then on.
+experts run per pair in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling a pair takes
+tens of seconds on two cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), so by
+default it happens in the background (kestrel.engine.background_compile): the first time a pair is needed it is
+asked for, and its steps run on the eager path until its graph is ready. The background compile runs the step once,
+on padding rows, against a copy of the cache's per-layer state objects (the step's Python side effects, each KDA
+layer's token_states, land on the copy; the tensors are the same, and padding writes only where nobody reads).
+`--enable-torch-compile` compiles in the foreground instead (a step waits for its graph: every step of a size runs
+compiled, from the first), and a step that fails to compile there logs why and runs eagerly from then on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -47,6 +52,7 @@ from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
 from ..ops import backend
 from ..ops.torch.kda_decode import TokenStates
+from .background_compile import BackgroundCompiler
 from .cache.page_table import PageTable
 
 log = logging.getLogger("kestrel")
@@ -91,12 +97,13 @@ class DecodeGraphs:
     scratch_slot: a state slot of `cache` that nothing else uses, its page-table row all a page nothing else uses.
     capture: record CUDA graphs (default: on CUDA devices); otherwise each replay runs the static step eagerly, or
     compiled by torch.compile with the backend `compile` names ("inductor": the CPU's fast path; the tests also
-    use "aot_eager", which traces the same graph without generating code).
+    use "aot_eager", which traces the same graph without generating code). background: compile on its thread
+    instead of at first use (see `available`).
     """
 
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, max_batch_size: int,
                  scratch_slot: int, capture: bool | None = None, compile: str | None = None,
-                 max_tokens_per_seq: int = 1):
+                 max_tokens_per_seq: int = 1, background: BackgroundCompiler | None = None):
         self.model, self.cache, self.page_table = model, cache, page_table
         self.device = model.device
         self.sizes = batch_sizes(max_batch_size)
@@ -104,6 +111,7 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.max_tokens_per_seq = 1 if self.capture else max_tokens_per_seq
         self.forward = self._forward
+        self.background = background if compile else None
         if compile:
             # One graph per (batch size, width); the model's weights are never replaced while it serves, so their
             # guards are skipped (they cost ~0.6 ms per call on the bundled model). Inductor compiles on its freezing
@@ -140,6 +148,24 @@ class DecodeGraphs:
         return (1 <= num_seqs <= self.max_batch_size and longest <= self.page_table.max_pages
                 and 1 <= tokens_per_seq <= self.max_tokens_per_seq)
 
+    def available(self, num_seqs: int, longest: int, tokens_per_seq: int = 1) -> bool:
+        """Whether such a step (see fits) can run as a graph now. Compiling in the background, only once its graph
+        is compiled: the first time it is not, this asks for it."""
+        if not self.fits(num_seqs, longest, tokens_per_seq):
+            return False
+        if self.background is None:
+            return True
+        key = self._key(num_seqs, longest, tokens_per_seq)
+        if key not in self.steps:
+            self.background.ask(("decode step", *key), lambda: self._compile_in_background(*key))
+            return False
+        return True
+
+    def _key(self, num_seqs: int, longest: int, tokens_per_seq: int) -> tuple[int, int, int]:
+        """The (batch size, width, tokens per sequence) of the graph that runs such a step."""
+        size = next(b for b in self.sizes if b >= num_seqs)
+        return size, min(1 << (longest - 1).bit_length(), self.page_table.max_pages), tokens_per_seq
+
     def run(self, token_ids: list[int], prefix_lens: list[int], slots: list[int], longest: int,
             tokens_per_seq: int = 1) -> StepOutputs:
         """One step of n sequences: sequence i adds token_ids[i*q:(i+1)*q] (q = tokens_per_seq; more than 1: a
@@ -147,8 +173,7 @@ class DecodeGraphs:
         slots[i] and its pages in that slot's page-table row; the longest spans `longest` pages. CUDA graphs'
         results are overwritten by the next run."""
         n, q = len(slots), tokens_per_seq
-        size = next(b for b in self.sizes if b >= n)
-        width = min(1 << (longest - 1).bit_length(), self.page_table.max_pages)
+        size, width, q = self._key(n, longest, q)
         replay = self.steps.get((size, width, q)) or self._capture(size, width, q)
         pad = size - n
         self.token_ids[:size * q].copy_(torch.tensor([*token_ids, *[0] * (pad * q)]), non_blocking=True)
@@ -164,14 +189,8 @@ class DecodeGraphs:
         prefix.zero_()
         slots.fill_(self.scratch_slot)
 
-        def step() -> StepOutputs:
-            logits, hidden, states = self.forward(ids, prefix, slots, width, q)
-            if self.capture:
-                self.logits[:size].copy_(logits)
-                logits, hidden = self.logits[:size], None
-            return StepOutputs(logits, hidden, tuple(TokenStates(*s) for s in states))
-
-        self._forward(ids, prefix, slots, width, q)          # warm-up: compiles kernels, initialises libraries
+        step = self._step(ids, prefix, slots, width, q, self.cache)
+        self._forward(ids, prefix, slots, width, q, self.cache)   # warm-up: compiles kernels, initialises libraries
         if self.forward is not self._forward:
             try:
                 step()
@@ -191,13 +210,40 @@ class DecodeGraphs:
         self.steps[(size, width, q)] = replay
         return replay
 
-    def _forward(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int, q: int
+    def _compile_in_background(self, size: int, width: int, q: int) -> None:
+        """Compile the (size, width, q) step by running it on padding rows, from input buffers laid out as the
+        engine's and against a copy of the cache's state objects (see the module's docstring); then the engine's
+        steps of that key run it."""
+        token_ids, inputs = torch.zeros_like(self.token_ids), torch.zeros_like(self.inputs)
+        inputs[1].fill_(self.scratch_slot)
+        ids, (prefix, slots) = token_ids[:size * q], inputs[:, :size]
+        shadow = dataclasses.replace(self.cache, kda=[dataclasses.replace(s, token_states=None)
+                                                      for s in self.cache.kda])
+        self._step(ids, prefix, slots, width, q, shadow)()
+        self.steps[(size, width, q)] = self._step(self.token_ids[:size * q], *self.inputs[:, :size], width, q,
+                                                  self.cache)
+
+    def _step(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int, q: int,
+              cache: HybridCache) -> Callable[[], StepOutputs]:
+        """The step that reads ids, prefix and slots (see _forward) where they are when it is called."""
+        size = len(slots)
+
+        def step() -> StepOutputs:
+            logits, hidden, states = self.forward(ids, prefix, slots, width, q, cache)
+            if self.capture:
+                self.logits[:size].copy_(logits)
+                logits, hidden = self.logits[:size], None
+            return StepOutputs(logits, hidden, tuple(TokenStates(*s) for s in states))
+        return step
+
+    def _forward(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int, q: int,
+                 cache: HybridCache
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
-        """The step of ids [size * q] from prefix lengths and slots [size]: logits [size * q, vocab], hidden
-        states [size * q, D] and, for a verification, each KDA layer's (conv, recurrent) states after every
-        token."""
+        """The step of ids [size * q] from prefix lengths and slots [size] over cache: logits [size * q, vocab],
+        hidden states [size * q, D] and, for a verification, each KDA layer's (conv, recurrent) states after
+        every token."""
         table = self.page_table.gather(slots, width)
-        batch = ForwardBatch.for_decode(prefix, slots, table, self.cache.page_size, q)
-        hidden = self.model(ids, batch, self.cache)
-        states = tuple((s.token_states.conv, s.token_states.recurrent) for s in self.cache.kda) if q > 1 else ()
+        batch = ForwardBatch.for_decode(prefix, slots, table, cache.page_size, q)
+        hidden = self.model(ids, batch, cache)
+        states = tuple((s.token_states.conv, s.token_states.recurrent) for s in cache.kda) if q > 1 else ()
         return self.model.compute_logits(hidden), hidden, states

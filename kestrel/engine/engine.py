@@ -25,10 +25,13 @@ from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
+from ..ops.torch.kda import compile_chunk_terms
+from .background_compile import BackgroundCompiler, module_calls
+from .compile_cache import use_compile_cache
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .dp_scheduler import DPScheduler
 from .handoff import Handoff, handoff_parts, split_context
-from .model_runner import ModelRunner
+from .model_runner import PREFILL_TERMS, ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
 from .ranks import Ranks, load_shard, model_drafter
 from .request import Request, Sequence, Status
@@ -69,7 +72,8 @@ class LLMEngine:
         self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
         device = self.ranks.device if self.ranks else torch.device(args.device)
         graphs = not args.disable_cuda_graph and graphs_supported(device)
-        compiled = args.enable_torch_compile and device.type == "cpu"
+        mode = args.torch_compile(device)
+        compiled = mode is not None
         if args.enable_torch_compile and not compiled:
             log.info("decode: --enable-torch-compile compiles CPU decode steps; on %s, CUDA graphs replay them",
                      device.type)
@@ -105,23 +109,35 @@ class LLMEngine:
         self.scheduler = groups[0] if len(groups) == 1 else DPScheduler(groups)
         slots, ops = self.plan.num_slots, journals[0][1]
         decode_graphs = None
+        self.background = None
+        if compiled and not self.ranks:
+            use_compile_cache()
+            if mode == "background":
+                self.background = BackgroundCompiler()
+                config = self.config
+                self.background.ask(PREFILL_TERMS, lambda: compile_chunk_terms("inductor", config.kda_num_heads,
+                                                                             config.kda_head_dim, config.kda_head_dim))
         if shard.graphs:
             max_bs = min(args.torch_compile_max_bs if compiled else args.cuda_graph_max_bs,
                          self.plan.max_running_requests)
             decode_graphs = DecodeGraphs(self.model, self.cache, page_table, max_bs, scratch_slot=slots,
                                          compile="inductor" if compiled else None,
                                          max_tokens_per_seq=1 + (args.speculative_num_draft_tokens
-                                                                 if args.speculative_algorithm != "none" else 0))
-            log.info("decode: %s for batches of up to %d sequences, made on first use",
-                     "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size)
+                                                                 if args.speculative_algorithm != "none" else 0),
+                                         background=self.background)
+            log.info("decode: %s for batches of up to %d sequences, made on first use%s",
+                     "torch.compile'd steps" if compiled else "CUDA graphs", decode_graphs.max_batch_size,
+                     " (in the background: until then they run eagerly)" if self.background else "")
+            if self.background is not None:
+                decode_graphs.available(1, 1)           # the first graph a server needs, asked for now
         try:
-            self.drafter = model_drafter(args, shard, "inductor" if compiled and not self.ranks else None)
+            self.drafter = model_drafter(args, shard, "inductor" if mode == "foreground" and not self.ranks else None)
         except BaseException:
             self.shutdown()
             raise
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:],
                                   prefill_compile="inductor" if compiled and not self.ranks else None,
-                                  drafter=self.drafter)
+                                  drafter=self.drafter, background=self.background)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()
@@ -147,6 +163,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the other ranks of a distributed instance (nothing to do in one process); after a failed step
         without a word (they may wait in a collective that will never complete)."""
+        if getattr(self, "background", None) is not None:
+            self.background.close()
         if self.ranks is not None:
             runner = getattr(self, "runner", None)        # (None while __init__ fails)
             self.ranks.stop(failed=runner is not None and runner.failure is not None)
@@ -328,6 +346,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
+        if self.background is None:
+            return self._step()
+        with module_calls():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         rejected = self._schedule_compiled() + self._finished_on_arrival
         self._finished_on_arrival = []
         for request in rejected:

@@ -27,6 +27,7 @@ from .cache.device_ops import DeviceOps, Op, Part, apply_ops, read_parts
 from .cache.hicache import Entry
 from .cache.shards import gather_entry, shard_entry
 from .cache.page_table import PageTable
+from .background_compile import BackgroundCompiler
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 from .speculative.block import BlockDrafter
@@ -35,6 +36,8 @@ from .speculative.mtp import DraftInput, MTPDrafter
 from .speculative.staged import StagedDrafter
 
 T = TypeVar("T")
+PREFILL_TERMS = "KDA prefill chunk terms"
+"""The background compiler's key for the KDA prefill's compiled chunk terms."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class ModelRunner:
     With decode_graphs, steps of one token per sequence that fit a graph size replay a captured graph instead,
     and so do verifications of equally many drafts per sequence where the graphs take them (compiled CPU steps).
     With prefill_compile (a torch.compile backend), the other steps' KDA chunk terms run compiled
-    (kestrel.ops.torch.kda.compiled_chunk_terms).
+    (kestrel.ops.torch.kda.compiled_chunk_terms), once compiled when compiling in the background (PREFILL_TERMS).
     With a model drafter (MTP layers, block draft), every forward's final hidden states are kept until the next
     draft reads them (`kept`).
     With peers (rank 0 of several), each step and draft is sent to the other ranks before it runs here; a failure
@@ -112,7 +115,8 @@ class ModelRunner:
     def __init__(self, model: KimiForCausalLM, cache: HybridCache, page_table: PageTable, ops: DeviceOps,
                  decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
                  other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None,
-                 drafter: MTPDrafter | BlockDrafter | DFlashDrafter | StagedDrafter | None = None):
+                 drafter: MTPDrafter | BlockDrafter | DFlashDrafter | StagedDrafter | None = None,
+                 background: BackgroundCompiler | None = None):
         self.model = model
         self.cache = cache
         self.page_table = page_table
@@ -121,6 +125,7 @@ class ModelRunner:
         self.device = model.device
         self.decode_graphs = decode_graphs
         self.prefill_compile = prefill_compile
+        self.background = background
         self.peers = peers
         self.failure: str | None = None
         self.drafter = drafter
@@ -150,7 +155,7 @@ class ModelRunner:
                     [i for i, c in enumerate(chunks) if c.samples], verify, groups,
                     tuple((i, *c.capture) for i, c in enumerate(chunks) if c.capture is not None))
         graphs, q = self.decode_graphs, chunks[0].length
-        if (graphs is not None and all(c.length == q for c in chunks) and graphs.fits(len(chunks), step.width, q)
+        if (graphs is not None and all(c.length == q for c in chunks) and graphs.available(len(chunks), step.width, q)
                 and (verify if q > 1 else not all_rows)):
             self._apply_changes(step)
             out = graphs.run(step.token_ids, step.starts, step.slots, step.width, q)
@@ -213,7 +218,7 @@ class ModelRunner:
         if step.groups:
             tokens = [sum(step.lengths[i] for i in step.group_chunks(g)) for g in range(len(step.groups))]
             batch = dataclasses.replace(batch, dp_tokens=tuple(tokens))
-        with compiled_chunk_terms(self.prefill_compile):
+        with compiled_chunk_terms(self._prefill_backend()):
             hidden = self.model(torch.tensor(step.token_ids, device=self.device), batch, self.cache)
         self._keep(hidden)
         out: list[torch.Tensor | None] = [None] * len(step.lengths)
@@ -223,6 +228,12 @@ class ModelRunner:
             for i, chunk_logits in zip(rows, logits.split([len(r) for r in rows.values()])):
                 out[i] = chunk_logits
         return out
+
+    def _prefill_backend(self) -> str | None:
+        """The backend the KDA chunk terms run compiled by now (None: eagerly)."""
+        if self.background is not None and not self.background.ready(PREFILL_TERMS):
+            return None
+        return self.prefill_compile
 
     def _execute_stages(self, step: Step) -> list[torch.Tensor | None]:
         """This stage's share of step, micro-batch by micro-batch: the first stage embeds, the others receive the

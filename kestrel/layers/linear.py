@@ -183,7 +183,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     oneDNN's CPUs, a single row is a reduction in the graph (`compiled_matvec`)."""
     if x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    if ONEDNN and torch.compiler.is_compiling() and x.numel() == x.shape[-1]:
+    if ONEDNN and torch.compiler.is_dynamo_compiling() and x.numel() == x.shape[-1]:
         return compiled_matvec(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if (not ONEDNN and ROWS_KERNEL[0] <= rows.shape[0] <= ROWS_KERNEL[1] and weight.numel() >= ROWS_KERNEL_MIN_WEIGHT

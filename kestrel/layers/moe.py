@@ -165,7 +165,7 @@ class RoutedExperts(nn.Module):
             dense = ExpertWeights(w1, w3, self.w2_dense, w13=self.w13_dense)
         else:
             return self._packed()
-        if self.onednn is None or torch.compiler.is_compiling():
+        if self.onednn is None or torch.compiler.is_dynamo_compiling():
             return dense
         return dataclasses.replace(dense, onednn_w13=self.onednn[0], onednn_w2=self.onednn[1])
 

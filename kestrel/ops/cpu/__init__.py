@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import subprocess
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -37,14 +38,20 @@ log = logging.getLogger("kestrel")
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "cpu-kernels"
+_loading = threading.Lock()
 KEEP = 8
 """Libraries kept in CACHE (one per kestrel version, CPU and torch that ran here lately): the most recently used."""
 
 
-@cache
 def load() -> bool:
     """Whether the kernels are loaded into torch.ops.kestrel_cpu (with their fakes for tracing), building them on
-    the first call."""
+    the first call (one thread builds; the others wait for it: a background compile may ask at the same time)."""
+    with _loading:
+        return _load()
+
+
+@cache
+def _load() -> bool:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()

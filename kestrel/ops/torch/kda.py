@@ -140,6 +140,16 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         return _intra_chunk_terms(q, k, v, g, beta)
 
 
+def compile_chunk_terms(backend: str, num_heads: int, key_dim: int, value_dim: int, chunk_size: int = 64) -> None:
+    """Compile the intra-chunk terms of float32 chunks of num_heads heads (what compiled_chunk_terms runs) now, on
+    zeros: a later prefill reuses the graph whatever its number of chunks. Raises if the backend fails."""
+    q, k, g = (torch.zeros(2, num_heads, chunk_size, key_dim) for _ in range(3))
+    v, beta = torch.zeros(2, num_heads, chunk_size, value_dim), torch.zeros(2, num_heads, chunk_size)
+    for x in (q, k, v, g, beta):
+        torch._dynamo.mark_dynamic(x, 0)
+    _compiled_intra_chunk_terms(backend)(q, k, v, g, beta)
+
+
 @cache
 def _compiled_intra_chunk_terms(backend: str) -> Callable[..., IntraChunkTerms]:
     """_intra_chunk_terms compiled by backend (once per process; its inputs mark the chunk count dynamic)."""
@@ -354,7 +364,7 @@ def _decay(exponent: torch.Tensor) -> torch.Tensor:
     """exp(exponent) for exponents <= 0, exactly zero below NEGLIGIBLE_LOG_DECAY (and, compiled, exactly one above
     UNIT_LOG_DECAY)."""
     exponent = torch.where(exponent > NEGLIGIBLE_LOG_DECAY, exponent, -math.inf)
-    if torch.compiler.is_compiling():       # free there (fused); eagerly one more op, and aten's exp has no such cost
+    if torch.compiler.is_dynamo_compiling():   # free there (fused); eagerly one more op, aten's exp has no such cost
         exponent = torch.where(exponent < UNIT_LOG_DECAY, exponent, 0.0)
     return exponent.exp()
 

@@ -133,8 +133,9 @@ def _state_step_in_place(state_pool: torch.Tensor) -> bool:
     """Whether a traced decode step runs the recurrence on the CPU kernel kestrel_cpu::kda_state_step_ (kestrel.ops.cpu:
     each state read and written once, in place): a contiguous float32 pool on the CPU whose value dim is a whole
     number of 16-float vectors, the kernels built here."""
-    return (torch.compiler.is_compiling() and state_pool.device.type == "cpu" and state_pool.dtype == torch.float32
-            and state_pool.is_contiguous() and state_pool.shape[-1] % 16 == 0 and cpu.available())
+    return (torch.compiler.is_dynamo_compiling() and state_pool.device.type == "cpu"
+            and state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[-1] % 16 == 0
+            and cpu.available())
 
 
 def token_conv_states(x: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

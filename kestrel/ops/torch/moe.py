@@ -184,7 +184,7 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     pairs per expert; otherwise few pairs (`_by_pairs`) run `moe_experts_by_pairs` in the graph, and more run this
     grouped computation as one opaque custom op.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         if not mxfp8_activations and _native(z, ids.numel(), experts):
             return moe_experts_native(z, ids, weights, experts, activation)
         if not mxfp8_activations and _by_pairs(ids.numel(), experts):

@@ -24,18 +24,20 @@ accepted token's). Those outputs are fresh tensors per call, so verifications ru
 a CUDA graph (its outputs would need static buffers of every token's recurrent state); under CUDA graphs they run
 as ordinary steps.
 
-On the CPU the static step is compiled by default: torch.compile traces each (batch size, width) step into one
-graph, and inductor's C++ backend fuses its elementwise work into loops (a
-batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec), so a step is one call instead
-of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed
-experts run per pair in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling a pair takes
-tens of seconds on two cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), so by
-default it happens in the background (kestrel.engine.background_compile): the first time a pair is needed it is
-asked for, and its steps run on the eager path until its graph is ready. The background compile runs the step once,
-on padding rows, against a copy of the cache's per-layer state objects (the step's Python side effects, each KDA
-layer's token_states, land on the copy; the tensors are the same, and padding writes only where nobody reads).
-`--enable-torch-compile` compiles in the foreground instead (a step waits for its graph: every step of a size runs
-compiled, from the first), and a step that fails to compile there logs why and runs eagerly from then on.
+On the CPU the static step is compiled by default: torch.compile traces each batch size's step into one graph
+for every page-table width from 2 on (the width a dynamic dimension, which the model's branches on the context
+length may split into ranges; a width of 1 gets its own), and inductor's C++ backend fuses its elementwise work into
+loops (a batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec), so a step is one call
+instead of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed experts run per pair
+in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling a graph takes tens of seconds on two
+cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), so by default it happens in the
+background (kestrel.engine.background_compile): the first time a (batch size, width) bucket is needed it is asked
+for, and its steps run on the eager path until it is ready (a bucket whose graph a wider one already compiled is
+ready at once). The background compile runs the step once, on padding rows, against a copy of the cache's
+per-layer state objects (the step's Python side effects, each KDA layer's token_states, land on the copy; the
+tensors are the same, and padding writes only where nobody reads). `--enable-torch-compile` compiles in the
+foreground instead (a step waits for its graph: every step of a size runs compiled, from the first), and a step
+that fails to compile there logs why and runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -113,16 +115,17 @@ class DecodeGraphs:
         self.forward = self._forward
         self.background = background if compile else None
         if compile:
-            # One graph per (batch size, width); the model's weights are never replaced while it serves, so their
-            # guards are skipped (they cost ~0.6 ms per call on the bundled model). Inductor compiles on its freezing
-            # path, told not to repack weights for oneDNN (weight_prepack: a second, packed copy of each), but the
-            # weights stay inputs of the graph: dynamo lifts them as attributes, which freezing makes constants,
-            # only while the global torch._inductor.config.freezing is set as it traces, and options reach inductor
-            # after that. Set globally, it made them constants (the bundled model's step 145 inputs instead of 163)
-            # and that model's batch-1 decode ran 0.95x as fast (medians of 8 alternating rounds in one process), so
-            # it stays unset. Inductor writes the code that calls its kernels in C++ too (cpp_wrapper): a Python
-            # wrapper spends ~0.3 ms per step on the bundled model allocating and checking buffers, for twice the
-            # compile time.
+            # One graph per batch size for a width of one page, and one (or, where the model branches on the
+            # context length, a few) for the wider (the width is dynamic: _step); the model's weights are never
+            # replaced while it serves, so their guards are skipped (they cost ~0.6 ms per call on the bundled
+            # model). Inductor compiles on its freezing path, told not to repack weights for oneDNN (weight_prepack:
+            # a second, packed copy of each), but the weights stay inputs of the graph: dynamo lifts them as
+            # attributes, which freezing makes constants, only while the global torch._inductor.config.freezing is
+            # set as it traces, and options reach inductor after that. Set globally, it made them constants (the
+            # bundled model's step 145 inputs instead of 163) and that model's batch-1 decode ran 0.95x as fast
+            # (medians of 8 alternating rounds in one process), so it stays unset. Inductor writes the code that
+            # calls its kernels in C++ too (cpp_wrapper): a Python wrapper spends ~0.3 ms per step on the bundled
+            # model allocating and checking buffers, for twice the compile time.
             widths = page_table.max_pages.bit_length() + 1
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) * widths * self.max_tokens_per_seq)
@@ -190,7 +193,8 @@ class DecodeGraphs:
         slots.fill_(self.scratch_slot)
 
         step = self._step(ids, prefix, slots, width, q, self.cache)
-        self._forward(ids, prefix, slots, width, q, self.cache)   # warm-up: compiles kernels, initialises libraries
+        self._forward(ids, prefix, slots, self.page_table.gather(slots, width), q, self.cache)   # warm-up: compiles
+                                                                  # kernels, initialises libraries
         if self.forward is not self._forward:
             try:
                 step()
@@ -225,24 +229,28 @@ class DecodeGraphs:
 
     def _step(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int, q: int,
               cache: HybridCache) -> Callable[[], StepOutputs]:
-        """The step that reads ids, prefix and slots (see _forward) where they are when it is called."""
+        """The step that reads ids, prefix and slots (see _forward) where they are when it is called, and the
+        first `width` columns of their page-table rows. Compiled, the width is a dynamic dimension from 2 on,
+        which the model's own branches on the context length split into ranges (the indexer's top-k, say)."""
         size = len(slots)
 
         def step() -> StepOutputs:
-            logits, hidden, states = self.forward(ids, prefix, slots, width, q, cache)
+            table = self.page_table.gather(slots, width)
+            if width > 1 and self.forward is not self._forward:
+                torch._dynamo.maybe_mark_dynamic(table, 1)
+            logits, hidden, states = self.forward(ids, prefix, slots, table, q, cache)
             if self.capture:
                 self.logits[:size].copy_(logits)
                 logits, hidden = self.logits[:size], None
             return StepOutputs(logits, hidden, tuple(TokenStates(*s) for s in states))
         return step
 
-    def _forward(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, width: int, q: int,
+    def _forward(self, ids: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, q: int,
                  cache: HybridCache
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
-        """The step of ids [size * q] from prefix lengths and slots [size] over cache: logits [size * q, vocab],
-        hidden states [size * q, D] and, for a verification, each KDA layer's (conv, recurrent) states after
-        every token."""
-        table = self.page_table.gather(slots, width)
+        """The step of ids [size * q] from prefix lengths and slots [size], their pages in table [size, width],
+        over cache: logits [size * q, vocab], hidden states [size * q, D] and, for a verification, each KDA layer's
+        (conv, recurrent) states after every token."""
         batch = ForwardBatch.for_decode(prefix, slots, table, cache.page_size, q)
         hidden = self.model(ids, batch, cache)
         states = tuple((s.token_states.conv, s.token_states.recurrent) for s in cache.kda) if q > 1 else ()

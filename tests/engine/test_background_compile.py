@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import threading
 
 import pytest
@@ -20,6 +21,7 @@ from helpers import tiny_model
 from kestrel import LLM, SamplingParams
 from kestrel.engine.args import EngineArgs
 from kestrel.engine.background_compile import BackgroundCompiler, module_calls
+from kestrel.engine.compile_cache import cache_bytes, use_compile_cache
 from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.engine.model_runner import PREFILL_TERMS
 from kestrel.layers.batch import ForwardBatch
@@ -125,3 +127,21 @@ def test_requests_are_served_while_their_graphs_compile(model_dir, monkeypatch):
     finally:
         gate.set()
         llm.engine.background.close()
+
+
+def test_the_compile_cache_lives_in_kestrels_cache_and_is_emptied_over_its_bound(tmp_path, monkeypatch):
+    """Inductor's cache goes to $XDG_CACHE_HOME/kestrel/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise; one
+    found over KESTREL_COMPILE_CACHE_GB at start-up is emptied (its entries refer to one another: none is removed
+    alone), one under it is kept."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = use_compile_cache()
+    assert folder == tmp_path / "kestrel" / "inductor" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    (folder / "entry").mkdir()
+    (folder / "entry" / "code.so").write_bytes(b"x" * 3000)
+    monkeypatch.setenv("KESTREL_COMPILE_CACHE_GB", str(4000 / 2**30))
+    assert use_compile_cache() == folder and cache_bytes(folder) == 3000
+    monkeypatch.setenv("KESTREL_COMPILE_CACHE_GB", str(2000 / 2**30))
+    assert use_compile_cache() == folder and folder.is_dir() and cache_bytes(folder) == 0
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert use_compile_cache() == tmp_path / "elsewhere"

@@ -1,8 +1,8 @@
 """What the HTTP path adds per token: the served inter-token latency at concurrency 1 against the offline step.
 
-One run, same machine, same model (the bundled k3.1-tiny) and engine settings (`kestrel serve` eager,
---disable-torch-compile, then compiled, --enable-torch-compile; the default compiles the same steps in the
-background): greedy requests of a 128-token prompt and 64 output tokens (ignore_eos), one at a time, alternating between the offline `LLM.stream` (one engine step per token, in this process) and a
+One run, same machine, same model (the bundled k3.1-tiny) and engine settings (`kestrel serve`'s defaults, then
+the same with --enable-torch-compile): greedy requests of a 128-token prompt and 64 output tokens (ignore_eos),
+one at a time, alternating between the offline `LLM.stream` (one engine step per token, in this process) and a
 streamed `/v1/completions` to `kestrel serve` on loopback (a separate process, as users run it; timed by
 `kestrel.bench.client`). Per-token times are the gaps between consecutive outputs (offline) or chunks (served);
 the gap between the two is what serving costs per token (issue #57's target: within 0.3 ms at c=1). Both paths run
@@ -38,7 +38,7 @@ from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_http_overhead.py"
 REQUESTS, PROMPT, OUTPUT, PORT = 16, 128, 64, 8766
-CONFIGS = {"--disable-torch-compile": ["--disable-torch-compile"], "--enable-torch-compile": ["--enable-torch-compile"]}
+CONFIGS = {"defaults (eager)": [], "--enable-torch-compile": ["--enable-torch-compile"]}
 
 
 def prompt(i: int) -> list[int]:
@@ -57,8 +57,7 @@ def measure(model: Path, flags: list[str]) -> Measured:
     """Offline per-token gaps and served inter-token gaps, requests alternating between the paths so that machine
     noise hits both, with the CPU the served path spends outside the engine thread."""
     torch.set_num_threads(THREADS)
-    llm = LLM(str(model), enable_torch_compile="--enable-torch-compile" in flags,
-              disable_torch_compile="--disable-torch-compile" in flags)
+    llm = LLM(str(model), enable_torch_compile="--enable-torch-compile" in flags)
     params = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
     server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--model", str(model), "--port",
                                str(PORT), *flags], env={**os.environ, "OMP_NUM_THREADS": str(THREADS)},

@@ -119,7 +119,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 F32 = 0
 """ggml's GGML_TYPE_F32, for llama.cpp's KV cache."""
 LLAMA_WORKER = "from benchmarks.bench_llamacpp import llama_worker; llama_worker()"
-KESTREL = {"kestrel eager": {"disable_torch_compile": True},
+KESTREL = {"kestrel eager": {},
            "kestrel compiled": {"enable_torch_compile": True},
            "kestrel compiled, fp32 experts": {"enable_torch_compile": True, "moe_dense_experts": "float32",
                                               "moe_onednn_experts": True},

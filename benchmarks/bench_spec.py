@@ -42,10 +42,9 @@ OUTPUT_TOKENS = 96
 DFLASH = {"speculative_algorithm": "DFLASH", "speculative_num_draft_tokens": 4,
           "speculative_draft_model_path": str(BUNDLED_MODEL.parent / "k3.1-tiny-dflash")}
 CUT = {**DFLASH, "speculative_num_draft_tokens": 6, "speculative_draft_min_confidence": 0.1}
-COMPILED = {"enable_torch_compile": True, "disable_torch_compile": False}
+COMPILED = {"enable_torch_compile": True}
 TOKEN_MAP = {"speculative_token_map": str(BUNDLED_MODEL / "token_map.pt")}
-DENSE, PACKED = ({"moe_dense_experts": "float32", "disable_torch_compile": True},
-                 {"moe_dense_experts": "none", "disable_torch_compile": True})   # eager unless COMPILED
+DENSE, PACKED = {"moe_dense_experts": "float32"}, {"moe_dense_experts": "none"}
 CONFIGS = {"plain": {}, "NGRAM k=4": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
            "NEXTN k=1": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 1},
            "NEXTN k=2": {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 2},

@@ -15,9 +15,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # One torch thread per process (servers started by tests inherit it): the tests run tiny models on two shared
 # cores, where a second intra-op thread mostly waits on the first (measured 2-4x slower under load).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Engines (and servers started by tests) run every step eagerly, the suite's oracle, unless a test asks for compiled
-# steps: the CPU's default compiles them in the background, and when a graph is ready would be a matter of timing.
-os.environ.setdefault("KESTREL_DISABLE_TORCH_COMPILE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -71,12 +70,11 @@ HELP = {
     "speculative_token_map": "NEXTN, DFLASH: a file of token ids the drafts are chosen among (FR-Spec)",
     "disable_cuda_graph": "decode eagerly even where CUDA graphs could replay it",
     "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph (bigger ones run eagerly)",
-    "enable_torch_compile": "CPU: compile in the foreground instead: a step of a new shape waits for its graph "
-                            "(tens of seconds), so every step of a compiled size runs compiled",
-    "disable_torch_compile": "CPU: run every step eagerly (also KESTREL_DISABLE_TORCH_COMPILE=1); by default decode "
-                             "steps and the KDA prefill's chunk terms are compiled by torch.compile in the background "
-                             "while they run eagerly, and the compiled code is cached in "
-                             "$TORCHINDUCTOR_CACHE_DIR (default ~/.cache/kestrel/inductor)",
+    "enable_torch_compile": "CPU: compile decode steps and the KDA prefill's chunk terms with torch.compile, each "
+                            "shape's graph when first needed (a step waits for it: tens of seconds); the code is "
+                            "cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/kestrel/inductor)",
+    "enable_background_compile": "CPU, experimental: compile the same in the background, the steps running eagerly "
+                                 "until their graph is ready (README: what it costs while compiling)",
     "torch_compile_max_bs": "largest decode batch run compiled (bigger ones run eagerly)",
 }
 """The one-line --help of each engine flag (EngineArgs' fields)."""
@@ -147,10 +145,10 @@ class EngineArgs:
                                                  # (SGLang's FR-Spec flag; spec/token_map.py)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
-    enable_torch_compile: bool = False           # CPU: compile in the foreground (a step waits for its graph)
-    disable_torch_compile: bool = False          # CPU: no compiling; by default decode steps (decode_graphs.py) and
-                                                 # the KDA prefill's chunk terms (ops/torch/kda.py) are compiled by
-                                                 # torch.compile in the background (background_compile.py)
+    enable_torch_compile: bool = False           # CPU: decode steps (decode_graphs.py) and the KDA prefill's chunk
+                                                 # terms (ops/torch/kda.py) compiled by torch.compile, a step waiting
+                                                 # for its graph
+    enable_background_compile: bool = False      # CPU: the same compiled in the background (background_compile.py)
     torch_compile_max_bs: int = 32               # largest decode batch run compiled (bigger run eagerly)
 
     def __post_init__(self) -> None:
@@ -179,7 +177,7 @@ class EngineArgs:
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),
             (self.torch_compile_max_bs >= 1, "torch_compile_max_bs", "at least 1"),
-            (not (self.enable_torch_compile and self.disable_torch_compile), "disable_torch_compile",
+            (not (self.enable_torch_compile and self.enable_background_compile), "enable_background_compile",
              "left unset with --enable-torch-compile"),
             (self.mamba_scheduler_strategy in ("no_buffer", "extra_buffer"), "mamba_scheduler_strategy",
              "no_buffer or extra_buffer"),
@@ -237,16 +235,13 @@ class EngineArgs:
                 parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
 
     def torch_compile(self, device: torch.device) -> str | None:
-        """How steps on device are compiled: "background" (the CPU's default), "foreground"
-        (--enable-torch-compile) or None (not on a CPU, --disable-torch-compile, or KESTREL_DISABLE_TORCH_COMPILE=1:
-        the test suite's default, whose oracle is the eager path)."""
+        """How steps on device are compiled: "foreground" (--enable-torch-compile), "background"
+        (--enable-background-compile) or None (eagerly: the default, and anywhere but on a CPU)."""
         if device.type != "cpu":
             return None
         if self.enable_torch_compile:
             return "foreground"
-        if self.disable_torch_compile or os.environ.get("KESTREL_DISABLE_TORCH_COMPILE") == "1":
-            return None
-        return "background"
+        return "background" if self.enable_background_compile else None
 
     def dp_group_args(self) -> EngineArgs:
         """The arguments one DP attention group's pools are planned from: --max-running-requests and

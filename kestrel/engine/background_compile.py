@@ -11,16 +11,19 @@ with no gradients, as the engine runs (a compile that failed is logged and its s
 One part of compiling is not thread-safe: while torch.fx traces a function (AOTAutograd's make_fx, 0.3-0.8 s at a
 time on the bundled model), it replaces torch.nn.Module.__call__ for the whole process, and a module called on the
 engine thread meanwhile would go to the tracer (NameError: module is not installed as a submodule). So fx's tracing
-takes MODULE_CALLS, which the engine holds through each of its steps (`module_calls`): a step waits for a trace
-under way (the longest waits the engine sees), and a trace for the step under way. The lock is not fair (a busy
-engine would take it back at once, step after step), so a step first lets a waiting trace have it.
+takes MODULE_CALLS, which the engine holds through each eager forward (`module_calls`; a compiled graph calls no
+module): a forward waits for a trace under way (the longest waits the engine sees), and a trace for the forward
+under way. The lock is not fair (a busy engine would take it back at once, step after step), so a forward first
+lets a waiting trace have it. And
+torch.compiler.is_compiling() is one process-wide flag, True for the whole compile: code that picks a traced path
+asks torch.compiler.is_dynamo_compiling() instead (dynamo folds it to True; it is False at run time).
 """
 
 from __future__ import annotations
 
-import logging
 import contextlib
 import functools
+import logging
 import queue
 import sys
 import threading
@@ -39,7 +42,7 @@ beside it; 2e-5 s made the compile thread hog the interpreter instead."""
 
 MODULE_CALLS = threading.RLock()
 """Held by torch.fx while it traces (it patches torch.nn.Module.__call__ process-wide), and by the engine through
-each step that calls modules (module_calls)."""
+each eager forward (module_calls)."""
 _traces_waiting = [0]         # fx traces waiting for MODULE_CALLS (changed under _counting)
 _counting = threading.Lock()
 
@@ -84,6 +87,7 @@ class BackgroundCompiler:
         self._queue: queue.SimpleQueue[tuple[Hashable, Callable[[], object]] | None] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._work, name="kestrel-compile", daemon=True)
         self._thread.start()
 
@@ -108,10 +112,11 @@ class BackgroundCompiler:
 
     def close(self) -> None:
         """Compile nothing more (a compile under way finishes; the thread then ends)."""
+        self._closed = True
         self._queue.put(None)
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None and not self._closed:
             key, compile = item
             interval = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)

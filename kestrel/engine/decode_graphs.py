@@ -24,20 +24,19 @@ accepted token's). Those outputs are fresh tensors per call, so verifications ru
 a CUDA graph (its outputs would need static buffers of every token's recurrent state); under CUDA graphs they run
 as ordinary steps.
 
-On the CPU the static step is compiled by default: torch.compile traces each batch size's step into one graph
+On the CPU the static step can be compiled (`--enable-torch-compile`): torch.compile traces each batch size's step into one graph
 for every page-table width from 2 on (the width a dynamic dimension, which the model's branches on the context
 length may split into ranges; a width of 1 gets its own), and inductor's C++ backend fuses its elementwise work into
 loops (a batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec), so a step is one call
 instead of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed experts run per pair
 in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling a graph takes tens of seconds on two
-cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), so by default it happens in the
-background (kestrel.engine.background_compile): the first time a (batch size, width) bucket is needed it is asked
-for, and its steps run on the eager path until it is ready (a bucket whose graph a wider one already compiled is
-ready at once). The background compile runs the step once, on padding rows, against a copy of the cache's
-per-layer state objects (the step's Python side effects, each KDA layer's token_states, land on the copy; the
-tensors are the same, and padding writes only where nobody reads). `--enable-torch-compile` compiles in the
-foreground instead (a step waits for its graph: every step of a size runs compiled, from the first), and a step
-that fails to compile there logs why and runs eagerly from then on.
+cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), and a step of a new bucket waits
+for it; a step that fails to compile logs why and runs eagerly from then on. With `--enable-background-compile`
+(experimental) it happens in the background instead (kestrel.engine.background_compile): the first time a (batch
+size, width) bucket is needed it is asked for, and its steps run on the eager path until it is ready (a bucket whose
+graph a wider one already compiled is ready at once). The background compile runs the step once, on padding rows,
+against a copy of the cache's per-layer state objects (the step's Python side effects, each KDA layer's
+token_states, land on the copy; the tensors are the same, and padding writes only where nobody reads).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ compiler's threads, structured.py), so a long compile never holds up the other r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -19,14 +20,14 @@ import torch
 
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
+from ..ops.torch.kda import compile_chunk_terms
 from .args import MODEL_DRAFTERS, EngineArgs
+from .background_compile import BackgroundCompiler, module_calls
 from .cache.device_ops import DeviceOps
 from .cache.kv_pool import KVPool
 from .cache.page_table import PageTable
 from .cache.prefix_setup import build_prefix_cache
 from .cache.state_pool import StatePool
-from ..ops.torch.kda import compile_chunk_terms
-from .background_compile import BackgroundCompiler, module_calls
 from .compile_cache import use_compile_cache
 from .decode_graphs import DecodeGraphs, graphs_supported
 from .dp_scheduler import DPScheduler
@@ -346,19 +347,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
-        if self.background is None:
-            return self._step()
-        with module_calls():
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
         rejected = self._schedule_compiled() + self._finished_on_arrival
         self._finished_on_arrival = []
         for request in rejected:
             self.requests.pop(request.request_id, None)
         if self.args.speculative_algorithm in ("NGRAM", "STANDALONE"):
             started = time.perf_counter()
-            self._propose_drafts()
+            with module_calls() if self.background else contextlib.nullcontext():    # a STANDALONE draft model
+                self._propose_drafts()
             self.spec_stats.draft_seconds += time.perf_counter() - started
         chunks = self.scheduler.schedule()
         self.stalled = not chunks and not self._compiling

@@ -11,6 +11,7 @@ the logits to rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,11 +24,11 @@ from ..layers.batch import ForwardBatch
 from ..layers.cache import HybridCache
 from ..models.kimi import KimiForCausalLM
 from ..ops.torch.kda import compiled_chunk_terms
+from .background_compile import BackgroundCompiler, module_calls
 from .cache.device_ops import DeviceOps, Op, Part, apply_ops, read_parts
 from .cache.hicache import Entry
 from .cache.shards import gather_entry, shard_entry
 from .cache.page_table import PageTable
-from .background_compile import BackgroundCompiler
 from .decode_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 from .speculative.block import BlockDrafter
@@ -165,7 +166,8 @@ class ModelRunner:
             if verify:
                 return list(out.logits.split(q))
             return [out.logits[i:i + 1] if c.samples else None for i, c in enumerate(chunks)]
-        return self._everywhere(step, lambda: self.execute(step))
+        with self._module_calls():
+            return self._everywhere(step, lambda: self.execute(step))
 
     @torch.inference_mode()
     def save(self, parts: list[Part]) -> Entry:
@@ -181,7 +183,8 @@ class ModelRunner:
         """The model drafter's tokens for inputs, which point into the hidden states kept since the last draft
         (dropped now, on every rank). Called once per engine step, inputs or not, so that no rank keeps more."""
         message = Draft(inputs)
-        return self._everywhere(message, lambda: self.run_draft(message))
+        with self._module_calls():
+            return self._everywhere(message, lambda: self.run_draft(message))
 
     def run_draft(self, draft: Draft) -> list[list[int]]:
         """Draft on this rank (see Draft)."""
@@ -228,6 +231,12 @@ class ModelRunner:
             for i, chunk_logits in zip(rows, logits.split([len(r) for r in rows.values()])):
                 out[i] = chunk_logits
         return out
+
+    def _module_calls(self) -> contextlib.AbstractContextManager:
+        """What eager forwards (modules called) hold while compiling in the background (background_compile's
+        module_calls). A compiled graph calls no module, and runs without it: were it to recompile here it would
+        wait for the background compile, which may be waiting for module_calls."""
+        return module_calls() if self.background is not None else contextlib.nullcontext()
 
     def _prefill_backend(self) -> str | None:
         """The backend the KDA chunk terms run compiled by now (None: eagerly)."""

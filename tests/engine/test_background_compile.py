@@ -1,4 +1,4 @@
-"""Compiling in the background (the CPU's default, kestrel.engine.background_compile): the engine serves a step
+"""Compiling in the background (--enable-background-compile, kestrel.engine.background_compile): the engine serves a step
 eagerly while its graph compiles, on another thread, and then runs the graph, which gives the eager step's results.
 
 Inductor takes tens of seconds per graph, so these compile with aot_eager (the graph inductor would compile, run
@@ -26,6 +26,7 @@ from kestrel.engine.decode_graphs import DecodeGraphs
 from kestrel.engine.model_runner import PREFILL_TERMS
 from kestrel.layers.batch import ForwardBatch
 from kestrel.ops import backend
+from kestrel.ops.torch import kda
 from test_decode_graphs import (FLOAT32_STEP_BOUND, PROMPTS, SEQ_SLOTS, SLOTS, assert_float32_of, page_table,
                                 prefilled_cache)
 
@@ -38,24 +39,21 @@ def restore_backends():
     backend.set_backend(None)
 
 
-def test_the_compile_flags_choose_how_cpu_steps_compile(monkeypatch):
-    """Background by default on the CPU; --enable-torch-compile in the foreground; --disable-torch-compile (or
-    KESTREL_DISABLE_TORCH_COMPILE=1, which only changes the default) eagerly; never off the CPU; both flags refused."""
+def test_the_compile_flags_choose_how_cpu_steps_compile():
+    """Eagerly by default; --enable-torch-compile in the foreground, --enable-background-compile in the background;
+    never off the CPU; both flags refused."""
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
 
     def mode(*flags: str, device: torch.device = CPU) -> str | None:
         return EngineArgs.from_cli(parser.parse_args(list(flags))).torch_compile(device)
 
-    monkeypatch.delenv("KESTREL_DISABLE_TORCH_COMPILE", raising=False)
-    assert mode() == "background"
+    assert mode() is None
     assert mode("--enable-torch-compile") == "foreground"
-    assert mode("--disable-torch-compile") is None
-    assert mode(device=torch.device("cuda")) is None
-    monkeypatch.setenv("KESTREL_DISABLE_TORCH_COMPILE", "1")
-    assert mode() is None and mode("--enable-torch-compile") == "foreground"
-    with pytest.raises(ValueError, match="disable_torch_compile must be left unset with --enable-torch-compile"):
-        EngineArgs(model="m", enable_torch_compile=True, disable_torch_compile=True)
+    assert mode("--enable-background-compile") == "background"
+    assert mode("--enable-background-compile", device=torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="enable_background_compile must be left unset with --enable-torch-compile"):
+        EngineArgs(model="m", enable_torch_compile=True, enable_background_compile=True)
 
 
 @torch.inference_mode()
@@ -98,8 +96,8 @@ def test_a_step_compiled_in_the_background_equals_the_eager_step(restore_backend
 
 
 def test_requests_are_served_while_their_graphs_compile(model_dir, monkeypatch):
-    """By default (on the CPU) the engine asks at start-up for the KDA prefill's chunk terms and the batch-1 decode
-    step, and for every new decode shape as it comes; while those compiles are held up, requests of new shapes are
+    """With --enable-background-compile the engine asks at start-up for the KDA prefill's chunk terms and the
+    batch-1 decode step, and for every new decode shape as it comes; while those compiles are held up, requests of new shapes are
     prefilled and decoded eagerly, to the tokens (and logprobs, within float32's bound) of an engine that never
     compiles."""
     gate, asked, ask = threading.Event(), [], BackgroundCompiler.ask
@@ -107,10 +105,8 @@ def test_requests_are_served_while_their_graphs_compile(model_dir, monkeypatch):
                                                                                 ask(self, key, gate.wait)))
     prompts = [{"prompt_token_ids": [5 + i, 9, 14, 3] * (1 + 40 * i)} for i in range(3)]   # 4 to 324 tokens
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    eager = [o.outputs[0] for o in LLM(str(model_dir), page_size=4, disable_torch_compile=True).generate(prompts,
-                                                                                                         params)]
-    monkeypatch.delenv("KESTREL_DISABLE_TORCH_COMPILE", raising=False)
-    llm = LLM(str(model_dir), page_size=4)
+    eager = [o.outputs[0] for o in LLM(str(model_dir), page_size=4).generate(prompts, params)]
+    llm = LLM(str(model_dir), page_size=4, enable_background_compile=True)
     try:
         engine = llm.engine
         assert engine.background is not None and engine.runner.prefill_compile == "inductor"
@@ -145,3 +141,54 @@ def test_the_compile_cache_lives_in_kestrels_cache_and_is_emptied_over_its_bound
     assert use_compile_cache() == folder and folder.is_dir() and cache_bytes(folder) == 0
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert use_compile_cache() == tmp_path / "elsewhere"
+
+
+def test_the_compiler_compiles_what_is_asked_once_in_order_and_stops_when_closed(caplog):
+    """Each key compiles once however often it is asked, in the order asked, with no gradients; a failed compile is
+    logged and its key never ready (its step stays eager); after close nothing queued is compiled."""
+    compiler, done, gate, started = BackgroundCompiler(), [], threading.Event(), threading.Event()
+
+    def compile(key):
+        def run():
+            started.set()
+            gate.wait()
+            assert not torch.is_grad_enabled()
+            if key == "bad":
+                raise RuntimeError("no C++ compiler")
+            done.append(key)
+        return run
+    for key in ("a", "bad", "a", "b"):
+        compiler.ask(key, compile(key))
+    gate.set()
+    assert compiler.wait_idle(10)
+    assert done == ["a", "b"] and compiler.ready("a") and compiler.ready("b") and not compiler.ready("bad")
+    assert "torch.compile of bad failed; that step stays eager: no C++ compiler" in caplog.text
+    gate.clear()
+    started.clear()
+    compiler.ask("c", compile("c"))              # under way when closed: it finishes
+    compiler.ask("d", compile("d"))              # queued: never compiled
+    assert started.wait(10)
+    compiler.close()
+    gate.set()
+    compiler._thread.join(10)
+    assert not compiler._thread.is_alive() and done == ["a", "b", "c"]
+
+
+@torch.inference_mode()
+def test_the_prefill_chunk_terms_compiled_ahead_serve_later_prefills_without_compiling():
+    """compile_chunk_terms (what the background compiler runs at start-up) traces the graph that later prefills of
+    other lengths and sequence counts reuse: dynamo compiles nothing more for them, and they give the eager terms'
+    outputs within float32's rounding (the compiled graph fuses the same float32 operations)."""
+    kda.compile_chunk_terms("aot_eager", 4, 48, 48)
+    graphs = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (150, 300):
+        q, k = (torch.nn.functional.normalize(torch.randn(tokens, 4, 48, generator=gen), dim=-1) for _ in range(2))
+        v, g, beta = torch.randn(tokens, 4, 48, generator=gen), -torch.rand(tokens, 4, 48, generator=gen), \
+            torch.rand(tokens, 4, generator=gen)
+        lengths = torch.tensor([0, 100, tokens])
+        with kda.compiled_chunk_terms("aot_eager"):
+            compiled, _, _ = kda.chunk_kda(q, k, v, g, beta, lengths)
+        eager, _, _ = kda.chunk_kda(q, k, v, g, beta, lengths)
+        torch.testing.assert_close(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == graphs and "aot_eager" not in kda._failed_backends

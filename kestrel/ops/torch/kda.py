@@ -141,13 +141,14 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def compile_chunk_terms(backend: str, num_heads: int, key_dim: int, value_dim: int, chunk_size: int = 64) -> None:
-    """Compile the intra-chunk terms of float32 chunks of num_heads heads (what compiled_chunk_terms runs) now, on
-    zeros: a later prefill reuses the graph whatever its number of chunks. Raises if the backend fails."""
-    q, k, g = (torch.zeros(2, num_heads, chunk_size, key_dim) for _ in range(3))
-    v, beta = torch.zeros(2, num_heads, chunk_size, value_dim), torch.zeros(2, num_heads, chunk_size)
-    for x in (q, k, v, g, beta):
-        torch._dynamo.mark_dynamic(x, 0)
-    _compiled_intra_chunk_terms(backend)(q, k, v, g, beta)
+    """Compile the intra-chunk terms that compiled_chunk_terms(backend) runs, now: chunk_kda over one sequence of two
+    chunks of zeros, so that the graph is traced from the tensors (shapes, strides) a prefill gives it; later
+    prefills reuse it whatever their number of chunks. A backend that fails is logged and left out, as there."""
+    tokens = 2 * chunk_size
+    q, k, g = (torch.zeros(tokens, num_heads, key_dim) for _ in range(3))
+    v, beta = torch.zeros(tokens, num_heads, value_dim), torch.zeros(tokens, num_heads)
+    with compiled_chunk_terms(backend):
+        chunk_kda(q, k, v, g, beta, torch.tensor([0, tokens]), chunk_size=chunk_size)
 
 
 @cache

@@ -1,7 +1,7 @@
 """What compiling costs `kestrel serve` while its graphs compile: eager (the default), background, foreground.
 
-One run, same machine, the bundled k3.1-tiny served as users start it (`kestrel serve`, 2 torch threads, a separate
-process on loopback), four ways in turn:
+One run, same machine, the bundled k3.1-tiny served as users start it (`kestrel serve`, torch on
+benchmarks/report.py's THREADS, a separate process on loopback), four ways in turn:
 - eager (the defaults);
 - --enable-background-compile from an empty compile cache (steps compiled in the background, eager until their
   graph is ready);
@@ -126,7 +126,8 @@ def main() -> None:
     print(table)
     write_section("compile-defaults", "\n\n".join([
         "## `kestrel serve` while graphs compile",
-        f"The bundled k3.1-tiny served by `kestrel serve` ({THREADS} torch threads, a separate process on "
+        f"The bundled k3.1-tiny served by `kestrel serve` ({THREADS} torch thread{'' if THREADS == 1 else 's'}, a "
+        "separate process on "
         "loopback), started four ways in turn: eager (the defaults); --enable-background-compile (CPU steps "
         "compiled in the background, eager until their graph is ready) from an empty compile cache, then restarted "
         "on the warm cache; --enable-torch-compile (foreground: a step of a new shape waits for its graph) on the warm "

@@ -132,6 +132,9 @@ class DecodeGraphs:
                                          options=compile_options(compile))
         self.token_ids = torch.zeros(max_batch_size * self.max_tokens_per_seq, dtype=torch.long, device=self.device)
         self.inputs = torch.zeros(2, max_batch_size, dtype=torch.long, device=self.device)  # prefix lengths, slots
+        # the background compile's own inputs, made as the engine's are (dynamo's guards tell an inference-mode
+        # tensor, which the compile thread would make, from these: a mismatch compiled again on the engine thread)
+        self.padding_inputs = (torch.zeros_like(self.token_ids), torch.zeros_like(self.inputs))
         self.steps: dict[tuple[int, int, int], Callable[[], StepOutputs]] = {}
         """The replay of each captured (batch size, width, tokens per sequence): reads self.token_ids and
         self.inputs."""
@@ -217,7 +220,7 @@ class DecodeGraphs:
         """Compile the (size, width, q) step by running it on padding rows, from input buffers laid out as the
         engine's and against a copy of the cache's state objects (see the module's docstring); then the engine's
         steps of that key run it."""
-        token_ids, inputs = torch.zeros_like(self.token_ids), torch.zeros_like(self.inputs)
+        token_ids, inputs = self.padding_inputs
         inputs[1].fill_(self.scratch_slot)
         ids, (prefix, slots) = token_ids[:size * q], inputs[:, :size]
         shadow = dataclasses.replace(self.cache, kda=[dataclasses.replace(s, token_states=None)

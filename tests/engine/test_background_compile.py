@@ -62,7 +62,8 @@ def test_a_step_compiled_in_the_background_equals_the_eager_step(restore_backend
     the same step eagerly, again and again, with the same results (fx's tracing, which patches torch.nn.Module for
     the whole process, waits for each, and torch.compiler.is_compiling's process-wide flag changes no path); once
     compiled, the graph gives the float64 step's logits within float32's bound, called with the engine's own cache
-    without compiling again, and the background compile left the engine's per-layer state objects alone."""
+    and input buffers (made outside inference mode, as the engine makes them) without compiling again, and the
+    background compile left the engine's per-layer state objects alone."""
     backend.set_backend("torch")
     model, _ = tiny_model("k3.1-tiny", num_experts=16)
     reference = copy.deepcopy(model).double()
@@ -72,8 +73,9 @@ def test_a_step_compiled_in_the_background_equals_the_eager_step(restore_backend
     ids, prefix = [1, 2, 3], [len(p) for p in PROMPTS]
     expected = exact.run(ids, prefix, SEQ_SLOTS, 4).logits.clone()
     compiler = BackgroundCompiler()
-    graphs = DecodeGraphs(model, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1, compile="aot_eager",
-                          background=compiler)
+    with torch.inference_mode(False):           # as the engine makes them: its input buffers are no inference tensors
+        graphs = DecodeGraphs(model, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1,
+                              compile="aot_eager", background=compiler)
     sentinel = object()
     for state in cache.kda:
         state.token_states = sentinel

@@ -8,15 +8,15 @@ wait a whole switch interval (5 ms by default) to get it back; while a compile r
 SWITCH_INTERVAL_S, so that an eager step slows by a fraction instead of stopping for seconds. The thread compiles
 with no gradients, as the engine runs (a compile that failed is logged and its step stays eager).
 
-One part of compiling is not thread-safe: while torch.fx traces a function (AOTAutograd's make_fx, 0.3-0.8 s at a
+One part of compiling is not thread-safe: while torch.fx traces a function (AOTAutograd's make_fx, 1.1-2.0 s at a
 time on the bundled model), it replaces torch.nn.Module.__call__ for the whole process, and a module called on the
 engine thread meanwhile would go to the tracer (NameError: module is not installed as a submodule). So fx's tracing
 takes MODULE_CALLS, which the engine holds through each eager forward (`module_calls`; a compiled graph calls no
 module): a forward waits for a trace under way (the longest waits the engine sees), and a trace for the forward
 under way. The lock is not fair (a busy engine would take it back at once, step after step), so a forward first
-lets a waiting trace have it. And
-torch.compiler.is_compiling() is one process-wide flag, True for the whole compile: code that picks a traced path
-asks torch.compiler.is_dynamo_compiling() instead (dynamo folds it to True; it is False at run time).
+lets a waiting trace have it. And torch.compiler.is_compiling() is one process-wide flag, True for the whole
+compile: code that picks a traced path asks torch.compiler.is_dynamo_compiling() instead (dynamo folds it to True;
+it is False at run time).
 """
 
 from __future__ import annotations

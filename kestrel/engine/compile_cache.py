@@ -13,6 +13,7 @@ rebuilt. Entries refer to one another, so the bound is kept whole: a cache found
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ def use_compile_cache() -> Path:
     bound, and return it."""
     default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "inductor"
     folder = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default)))
-    bound = float(os.environ.get("KESTREL_COMPILE_CACHE_GB", DEFAULT_BOUND_GB)) * 2**30
+    bound = _bound_gb() * 2**30
     size = cache_bytes(folder)
     if size > bound:
         log.info("compile cache: %s holds %.1f GB, over its bound of %.1f GB (KESTREL_COMPILE_CACHE_GB); emptied",
@@ -43,8 +44,18 @@ def cache_bytes(folder: Path) -> int:
     total = 0
     for root, _, files in os.walk(folder):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):        # removed meanwhile by another process
                 total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:        # removed meanwhile by another process
-                pass
     return total
+
+
+def _bound_gb() -> float:
+    """KESTREL_COMPILE_CACHE_GB, or DEFAULT_BOUND_GB; a ValueError (one sentence) if it is not a number >= 0."""
+    value = os.environ.get("KESTREL_COMPILE_CACHE_GB", str(DEFAULT_BOUND_GB))
+    try:
+        bound = float(value)
+    except ValueError:
+        bound = -1.0
+    if not bound >= 0:
+        raise ValueError(f"KESTREL_COMPILE_CACHE_GB must be a number of GB (0 or more), got {value!r}.")
+    return bound

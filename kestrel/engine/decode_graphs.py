@@ -24,19 +24,20 @@ accepted token's). Those outputs are fresh tensors per call, so verifications ru
 a CUDA graph (its outputs would need static buffers of every token's recurrent state); under CUDA graphs they run
 as ordinary steps.
 
-On the CPU the static step can be compiled (`--enable-torch-compile`): torch.compile traces each batch size's step into one graph
-for every page-table width from 2 on (the width a dynamic dimension, which the model's branches on the context
-length may split into ranges; a width of 1 gets its own), and inductor's C++ backend fuses its elementwise work into
-loops (a batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec), so a step is one call
-instead of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed experts run per pair
-in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling a graph takes tens of seconds on two
-cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), and a step of a new bucket waits
-for it; a step that fails to compile logs why and runs eagerly from then on. With `--enable-background-compile`
-(experimental) it happens in the background instead (kestrel.engine.background_compile): the first time a (batch
-size, width) bucket is needed it is asked for, and its steps run on the eager path until it is ready (a bucket whose
-graph a wider one already compiled is ready at once). The background compile runs the step once, on padding rows,
-against a copy of the cache's per-layer state objects (the step's Python side effects, each KDA layer's
-token_states, land on the copy; the tensors are the same, and padding writes only where nobody reads).
+On the CPU the static step can be compiled (`--enable-torch-compile`): torch.compile traces each batch size's step
+into one graph for every page-table width from 2 on (the width a dynamic dimension, which the model's branches on
+the context length may split into ranges; a width of 1 gets its own), and inductor's C++ backend fuses its
+elementwise work into loops (a batch of one's products by the weights too: kestrel.layers.linear.compiled_matvec),
+so a step is one call instead of ~250 small ops per layer. The torch decode ops trace without host syncs (the routed
+experts run per pair in the graph, or grouped as one custom op: kestrel.ops.torch.moe). Compiling a graph takes tens
+of seconds on two cores (inductor caches the generated code on disk: kestrel.engine.compile_cache), and a step of a
+new bucket waits for it; a step that fails to compile logs why and runs eagerly from then on. With
+`--enable-background-compile` (experimental) it happens in the background instead
+(kestrel.engine.background_compile): the first time a (batch size, width) bucket is needed it is asked for, and its
+steps run on the eager path until it is ready (a bucket whose graph a wider one already compiled is ready at once).
+The background compile runs the step once, on padding rows, against a copy of the cache's per-layer state objects
+(the step's Python side effects, each KDA layer's token_states, land on the copy; the tensors are the same, and
+padding writes only where nobody reads).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(2, max_batch_size, dtype=torch.long, device=self.device)  # prefix lengths, slots
         # the background compile's own inputs, made as the engine's are (dynamo's guards tell an inference-mode
         # tensor, which the compile thread would make, from these: a mismatch compiled again on the engine thread)
-        self.padding_inputs = (torch.zeros_like(self.token_ids), torch.zeros_like(self.inputs))
+        self.padding_inputs = (torch.zeros_like(self.token_ids), torch.zeros_like(self.inputs)) if background else None
         self.steps: dict[tuple[int, int, int], Callable[[], StepOutputs]] = {}
         """The replay of each captured (batch size, width, tokens per sequence): reads self.token_ids and
         self.inputs."""
@@ -195,8 +196,8 @@ class DecodeGraphs:
         slots.fill_(self.scratch_slot)
 
         step = self._step(ids, prefix, slots, width, q, self.cache)
-        self._forward(ids, prefix, slots, self.page_table.gather(slots, width), q, self.cache)   # warm-up: compiles
-                                                                  # kernels, initialises libraries
+        # warm-up: compiles kernels, initialises libraries
+        self._forward(ids, prefix, slots, self.page_table.gather(slots, width), q, self.cache)
         if self.forward is not self._forward:
             try:
                 step()

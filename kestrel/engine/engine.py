@@ -75,9 +75,9 @@ class LLMEngine:
         graphs = not args.disable_cuda_graph and graphs_supported(device)
         mode = args.torch_compile(device)
         compiled = mode is not None
-        if args.enable_torch_compile and not compiled:
-            log.info("decode: --enable-torch-compile compiles CPU decode steps; on %s, CUDA graphs replay them",
-                     device.type)
+        if (args.enable_torch_compile or args.enable_background_compile) and not compiled:
+            log.info("decode: --enable-torch-compile and --enable-background-compile compile CPU decode steps; on %s, "
+                     "CUDA graphs replay them", device.type)
         if graphs and args.speculative_algorithm in MODEL_DRAFTERS:
             graphs = False
             log.info("decode: CUDA graphs are not used with model drafters yet (a graph hands back no hidden states, "

@@ -194,3 +194,11 @@ def test_the_prefill_chunk_terms_compiled_ahead_serve_later_prefills_without_com
         eager, _, _ = kda.chunk_kda(q, k, v, g, beta, lengths)
         torch.testing.assert_close(compiled, eager)
     assert counters["stats"]["unique_graphs"] == graphs and "aot_eager" not in kda._failed_backends
+
+
+@pytest.mark.parametrize("value", ["four", "-1", "nan"])
+def test_a_compile_cache_bound_that_is_no_size_is_refused_in_one_sentence(value, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KESTREL_COMPILE_CACHE_GB", value)
+    with pytest.raises(ValueError, match=r"^KESTREL_COMPILE_CACHE_GB must be a number of GB \(0 or more\), got"):
+        use_compile_cache()

@@ -76,6 +76,8 @@ HELP = {
     "enable_background_compile": "CPU, experimental: compile the same in the background, the steps running eagerly "
                                  "until their graph is ready (README: what it costs while compiling)",
     "torch_compile_max_bs": "largest decode batch run compiled (bigger ones run eagerly)",
+    "enable_deterministic_inference": "a request's tokens and logprobs bit for bit the same however it is batched "
+                                      "(CPU, float32, one rank, eager; docs/benchmarks.md: what it costs)",
 }
 """The one-line --help of each engine flag (EngineArgs' fields)."""
 
@@ -150,6 +152,7 @@ class EngineArgs:
                                                  # for its graph
     enable_background_compile: bool = False      # CPU: the same compiled in the background (background_compile.py)
     torch_compile_max_bs: int = 32               # largest decode batch run compiled (bigger run eagerly)
+    enable_deterministic_inference: bool = False  # batch-invariant operators, token-by-token layers (deterministic.py)
 
     def __post_init__(self) -> None:
         if self.speculative_algorithm == "DSPARK":      # kestrel's DFLASH drafter runs DSpark drafts

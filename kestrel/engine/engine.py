@@ -20,7 +20,9 @@ import torch
 
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
+from ..ops import batch_invariant
 from ..ops.torch.kda import compile_chunk_terms
+from . import deterministic
 from .args import MODEL_DRAFTERS, EngineArgs
 from .background_compile import BackgroundCompiler, module_calls
 from .cache.device_ops import DeviceOps
@@ -68,6 +70,8 @@ class LLMEngine:
     """Continuous batching over one model: add_request, then step() until has_unfinished_requests() is False."""
 
     def __init__(self, args: EngineArgs):
+        if (reason := deterministic.refusal(args)) is not None:
+            raise ValueError(reason)
         self.args = args
         folder, layout = Path(args.model), ParallelLayout.from_args(args)
         self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
@@ -346,7 +350,12 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; the outputs of every request that produced tokens or finished (cumulative)."""
+        """Run one step; the outputs of every request that produced tokens or finished (cumulative). With
+        --enable-deterministic-inference, under the batch-invariant operators (kestrel.engine.deterministic)."""
+        with batch_invariant.invariant() if self.args.enable_deterministic_inference else contextlib.nullcontext():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         rejected = self._schedule_compiled() + self._finished_on_arrival
         self._finished_on_arrival = []
         for request in rejected:

@@ -35,6 +35,7 @@ from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
 from ..models.dflash_draft import ContextWriter, DFlashDraftModel, is_dflash_draft, load_dflash_draft
 from ..models.kimi import KimiForCausalLM
+from . import deterministic
 from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
 from .cache.page_table import PageTable
@@ -68,14 +69,15 @@ class RankShard:
     hot_head: HotHead | None = None   # a model drafter's LM head cut to --speculative-token-map (in the plan)
 
 
-def _lay_out_linears(model: nn.Module, compiled: bool) -> int:
+def _lay_out_linears(model: nn.Module, compiled: bool, pack: bool = True) -> int:
     """Lay out model's linear weights for inference: column-major where MKL multiplies them faster (not when its
     decode steps are compiled, whose single rows multiply as reductions that read weights faster row-major:
-    linear.compiled_matvec), fused by LinearGroup, packed for oneDNN; returns the bytes the packed copies add."""
+    linear.compiled_matvec), fused by LinearGroup, packed for oneDNN where pack (deterministic inference multiplies
+    on its own kernels); returns the bytes the packed copies add."""
     if not compiled:
         hold_column_major(model)
     fuse_linear_groups(model, column_major_ok=not compiled)
-    return pack_onednn_weights(model)
+    return pack_onednn_weights(model) if pack else 0
 
 
 def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: dist.ProcessGroup | None = None,
@@ -87,11 +89,16 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     model = load_model(Path(args.model), None if args.dtype == "auto" else DTYPES[args.dtype], device, par,
                        embed_last_stage=args.speculative_algorithm in MODEL_DRAFTERS)
     config = model.config
+    if args.enable_deterministic_inference:
+        if (reason := deterministic.model_refusal(model)) is not None:
+            raise ValueError(reason)
+        deterministic.prepare(model)
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)
     dense_experts = _hold_dense_experts(model, args, device)
     compiled = graphs and device.type == "cpu"
-    packed = _lay_out_linears(model, compiled) + _pack_onednn_experts(model, args, device)
+    pack = not args.enable_deterministic_inference
+    packed = _lay_out_linears(model, compiled, pack) + _pack_onednn_experts(model, args, device)
     dtype = model.dtype
     ssm_dtype = SSM_DTYPES[args.mamba_ssm_dtype]
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else KV_DTYPES[args.kv_cache_dtype]
@@ -104,7 +111,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     elif args.speculative_algorithm == "STANDALONE" and layout.rank == 0:    # it drafts in rank 0's process
         draft = _load_draft_model(args.speculative_draft_model_path, config, dtype, device)
     if draft is not None:
-        packed += _lay_out_linears(draft, compiled)
+        packed += _lay_out_linears(draft, compiled, pack)
         weights |= _bytes_by_address(draft.state_dict().values())
     hot_head = _hot_head(args, model, draft) if layout.last_stage else None
     if hot_head is not None:

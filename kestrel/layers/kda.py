@@ -23,7 +23,8 @@ class KimiDeltaAttention(nn.Module):
 
     kda_index: the layer's position among the model's KDA layers (its state pool in a HybridCache).
     Under tensor parallelism each rank runs num_heads = H / tp heads (their projections, convs, gates and state);
-    o_proj is row-parallel.
+    o_proj is row-parallel. token_wise (deterministic inference sets it): every cached forward, prefill chunks too,
+    runs the decode op's token-by-token recurrence, so a token's numbers never depend on how it was chunked.
     """
 
     def __init__(self, config: ModelConfig, kda_index: int, par: Parallel = SINGLE):
@@ -52,6 +53,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = RowParallelLinear(width, hidden, par)
         self.in_proj = LinearGroup(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
                                    self.g_proj if config.kda_full_rank_output_gate else self.g_a_proj, self.b_proj)
+        self.token_wise = False
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None = None) -> torch.Tensor:
         """x: [T, hidden] (after input_layernorm) -> [T, hidden]. Reads and writes the sequences' state slots.
@@ -67,15 +69,39 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([q, k, v], dim=-1)
         gate_raw = self.f_b_proj(gate_low_rank).view(num_tokens, self.num_heads, self.head_dim)
         out_gate = (out_gate if hasattr(self, "g_proj") else self.g_b_proj(out_gate)).view_as(gate_raw)
-        if state is not None and (batch.max_new <= 1 or batch.keep_token_states):
-            o, state.token_states = backend.get_op("kda_decode", x.device)(
-                qkv, gate_raw, beta_raw, out_gate, self.step_params(), state.conv, state.recurrent,
-                batch.state_slots, None if batch.uniform else batch.cu_seqlens, batch.prefix_lens > 0,
-                keep_token_states=batch.keep_token_states)
+        if state is not None and (batch.max_new <= 1 or batch.keep_token_states or self.token_wise):
+            o = self._by_tokens(qkv, gate_raw, beta_raw, out_gate, batch, state)
         else:
             o = self._prefill(qkv, gate_raw, beta_raw, batch, state)
             o = gated_rms_norm(o, out_gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.reshape(num_tokens, -1))
+
+    def _by_tokens(self, qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor, out_gate: torch.Tensor,
+                   batch: ForwardBatch, state) -> torch.Tensor:
+        """The decode op over the new tokens (after the output norm), token by token from the slots' states; with
+        captures (token_wise prefill chunks), over the rows before them, then, the captured states copied to their
+        slots, over the rest."""
+        decode = backend.get_op("kda_decode", qkv.device)
+
+        def run(rows: torch.Tensor | None, cu_seqlens: torch.Tensor | None, slots: torch.Tensor,
+                use_state: torch.Tensor) -> torch.Tensor:
+            inputs = (qkv, gate_raw, beta_raw, out_gate) if rows is None else (qkv[rows], gate_raw[rows],
+                                                                                beta_raw[rows], out_gate[rows])
+            o, state.token_states = decode(*inputs, self.step_params(), state.conv, state.recurrent, slots,
+                                           cu_seqlens, use_state, keep_token_states=batch.keep_token_states)
+            return o
+
+        captures = batch.captures
+        if captures is None:
+            return run(None, None if batch.uniform else batch.cu_seqlens, batch.state_slots, batch.prefix_lens > 0)
+        o_head = run(captures.head_rows, captures.head_cu, batch.state_slots, batch.prefix_lens > 0)
+        slots = batch.state_slots[captures.seq_index]
+        state.conv[captures.slot_index] = state.conv[slots]
+        state.recurrent[captures.slot_index] = state.recurrent[slots]
+        o = o_head.new_empty(qkv.shape[0], *o_head.shape[1:])
+        o[captures.head_rows] = o_head
+        o[captures.tail_rows] = run(captures.tail_rows, captures.tail_cu, slots, torch.ones_like(slots, dtype=torch.bool))
+        return o
 
     def step_params(self) -> KDALayerParams:
         return KDALayerParams(self.conv_weight(), self.A_log, self.dt_bias, self.o_norm.weight, self.lower_bound,

@@ -79,6 +79,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.ops import batch_invariant
 from kestrel.ops import cpu as cpu_kernels
 
 ONEDNN_MIN_WEIGHT = 1 << 20
@@ -180,8 +181,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight's pack_onednn copy, when given and x has more than one row; below ONEDNN_MIN_WEIGHT, from `packed` at
     PACKED_MIN_ROWS rows or more); where MKL runs, kestrel_cpu.linear_rows for ROWS_KERNEL rows by a large weight
     and blocks where MKL would stream the weight once per few rows (module docstring). Traced by torch.compile on
-    oneDNN's CPUs, a single row is a reduction in the graph (`compiled_matvec`)."""
-    if x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32 or torch.is_grad_enabled():
+    oneDNN's CPUs, a single row is a reduction in the graph (`compiled_matvec`). Inside
+    batch_invariant.invariant() (deterministic inference), F.linear: its batch-invariant product."""
+    if (x.device.type != "cpu" or not x.dtype == weight.dtype == torch.float32 or torch.is_grad_enabled()
+            or batch_invariant.active()):
         return F.linear(x, weight, bias)
     if ONEDNN and torch.compiler.is_dynamo_compiling() and x.numel() == x.shape[-1]:
         return compiled_matvec(x, weight, bias)

@@ -10,6 +10,8 @@ Ops come in families that one flag forces together (`--attention-backend triton`
 
 A family's choice is "auto", "torch" or "triton": set by `set_backend`, else by the environment variable
 KESTREL_OPS_BACKEND (for every family), else "auto". The two implementations of an op share one signature.
+Inside kestrel.ops.batch_invariant's `invariant()` (deterministic inference), the ops it lists in INVARIANT_OPS run its
+batch-invariant implementations instead, on the CPU.
 "triton" on CPU tensors runs the kernels through Triton's interpreter, which needs TRITON_INTERPRET=1 set before
 `kestrel.ops.triton` is first imported.
 """
@@ -25,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from . import batch_invariant
 AUTO, TORCH, TRITON = "auto", "torch", "triton"
 CHOICES = (AUTO, TORCH, TRITON)
 ENV_VAR = "KESTREL_OPS_BACKEND"
@@ -107,7 +110,10 @@ _modules: dict[tuple[str, str], ModuleType] = {}
 
 
 def get_op(op: str, device: torch.device | str) -> Callable:
-    """The function implementing `op` for tensors on `device` (see backend_for)."""
+    """The function implementing `op` for tensors on `device` (see backend_for; batch-invariant ones inside
+    batch_invariant.invariant())."""
+    if op in batch_invariant.INVARIANT_OPS and batch_invariant.active():
+        return batch_invariant.INVARIANT_OPS[op]
     key = (op, backend_for(op, device))
     if key not in _modules:
         module = OPS[op].torch_module if key[1] == TORCH else OPS[op].triton_module

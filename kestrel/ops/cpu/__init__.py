@@ -12,6 +12,10 @@
 - `linear_rows(x, w, bias=None)` (linear_rows.cpp): x float32 [M, in] @ w [out, in]^T + bias [out] -> [M, out],
   each weight read from memory once for up to 64 rows of x (32 with AVX2) and broadcast against a vector of them;
   kestrel.layers.linear multiplies a batched decode step's rows by the large weights on it.
+- `invariant_mm(a, b)` (invariant_mm.cpp): a float32 [M, K] @ b [K, N] (rows contiguous) -> [M, N], or batched
+  [B, M, K] @ [B, K, N] -> [B, M, N], every output one
+  fused multiply-add per input from zero, k ascending, as linear_rows sums too: the batch-invariant GEMM of
+  kestrel.ops.batch_invariant (deterministic inference).
 
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
 too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
@@ -77,6 +81,10 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::linear_rows")
     def _(x, w, bias=None):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("kestrel_cpu::invariant_mm")
+    def _(a, b):
+        return a.new_empty(*a.shape[:-1], b.shape[-1])
 
     @torch.library.register_fake("kestrel_cpu::kda_state_step_")
     def _(q, k, v, g, beta, state, slots, use_state, scale):

@@ -77,6 +77,22 @@ def _depthwise_valid(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def causal_conv1d_windows(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d with each token's window summed by the same product as causal_conv1d_step's and
+    causal_conv1d_uniform's (one einsum over the taps), so that a token of a decode step, of a verification and of a
+    few new tokens per sequence comes out the same bit for bit: x [T, C]; weight [C, W]; cu_seqlens [N+1] int64;
+    state [N, W-1, C]. Returns y [T, C] and the final state [N, W-1, C], both in x's dtype."""
+    num_tokens, channels = x.shape
+    width, n = weight.shape[1], cu_seqlens.numel() - 1
+    stream_rows, window_rows, state_rows = _stream_layout(tuple(cu_seqlens.tolist()), width, x.device)
+    source = torch.cat([state.reshape(n * (width - 1), channels).to(x.dtype), x])
+    stream = source.index_select(0, stream_rows)
+    windows = stream.unfold(0, width, 1).index_select(0, window_rows)                     # [T, C, W]
+    y = torch.einsum("tcw,cw->tc", windows.to(weight.dtype), weight).to(x.dtype)
+    return y, source.index_select(0, state_rows).view(n, width - 1, channels)
+
+
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """causal_conv1d for L new tokens per sequence, with no host synchronisation: x [N, L, C]; weight [C, W];

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cpu
-from .conv import causal_conv1d, causal_conv1d_step, causal_conv1d_uniform
+from .conv import causal_conv1d_step, causal_conv1d_uniform, causal_conv1d_windows
 from .kda import recurrent_kda, recurrent_kda_step, recurrent_kda_uniform
 
 
@@ -98,7 +98,7 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
         y, token_conv = causal_conv1d_uniform(qkv.view(num_seqs, each, -1), params.conv_weight, conv_state)
         y, conv_final, token_conv = y.flatten(0, 1), token_conv[:, -1], token_conv.flatten(0, 1)
     else:
-        y, conv_final = causal_conv1d(qkv, params.conv_weight, cu_seqlens, conv_state)
+        y, conv_final = causal_conv1d_windows(qkv, params.conv_weight, cu_seqlens, conv_state)
     q, k, v = F.silu(y).view(num_tokens, 3, num_heads, head_dim).unbind(1)
     q, k = l2_normalize(q), l2_normalize(k)
     g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)

@@ -1,0 +1,66 @@
+"""Deterministic inference (`--enable-deterministic-inference`, SGLang's flag): a request's tokens and logprobs are
+bit for bit the same however it is batched.
+
+Two things make it so. The operators (kestrel.ops.batch_invariant) compute each token's numbers in an order that
+depends on nothing but that token's inputs, whatever else shares a step; and every layer runs its token-by-token
+form for every token (`prepare`): KDA's recurrence and the absorbed MLA over the pages, as a decode step runs them,
+for prefill chunks and verifications too, never the chunked (WY) KDA or the expanded MLA of a long prefill, which
+sum in other orders. So a token gets the same numbers alone or among any other requests, prefilled in one chunk
+or several (`--chunked-prefill-size`), decoded, verified as a draft, recomputed, or read back from the prefix cache
+(its KDA snapshots are the recurrence's own states); and teacher forcing (`echo` with `logprobs`) reports exactly the
+logprobs sampling reported. Seeded sampling draws from the request's own generator (kestrel.engine.sampling).
+
+It runs where those operators exist: on the CPU, in float32, on one rank, eagerly (the compiled steps and the C++
+decode kernels sum in their own orders). `refusal` names any setting outside that, and the engine refuses to start
+with it rather than serve outputs that are not what the flag promises.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.kda import KimiDeltaAttention
+from ..layers.mla import ABSORBED, GatedMLA
+from .args import EngineArgs
+
+FLAG = "--enable-deterministic-inference"
+
+
+def refusal(args: EngineArgs) -> str | None:
+    """Why args cannot run deterministically (one sentence), or None."""
+    if not args.enable_deterministic_inference:
+        return None
+    conflicts = [flag for flag, on in (
+        ("--device cuda", args.device != "cpu"),
+        ("--dtype bfloat16", args.dtype == "bfloat16"),
+        ("--enable-torch-compile", args.enable_torch_compile),
+        ("--enable-background-compile", args.enable_background_compile),
+        ("--moe-mxfp8-activations", args.moe_mxfp8_activations),
+        ("--moe-onednn-experts", args.moe_onednn_experts),
+        ("more than one rank (--tp-size, --dp-size, --pp-size, --dcp-size, --nnodes)",
+         max(args.tp_size, args.dp_size, args.pp_size, args.dcp_size, args.nnodes) > 1),
+        ("a triton ops backend", "triton" in (args.attention_backend, args.moe_backend, args.kda_backend,
+                                              args.norm_backend)),
+    ) if on]
+    if not conflicts:
+        return None
+    return (f"{FLAG} runs on the CPU in float32, on one rank and eagerly, where kestrel's batch-invariant operators "
+            f"are; drop {', '.join(conflicts)}.")
+
+
+def model_refusal(model: nn.Module) -> str | None:
+    """Why a loaded model cannot run deterministically (its dtype: `--dtype auto` takes the checkpoint's), or None."""
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        return None
+    return f"{FLAG} computes in float32, and this checkpoint's dtype is {str(dtype).removeprefix('torch.')}: add --dtype float32."
+
+
+def prepare(model: nn.Module) -> None:
+    """Make every attention layer of model run its token-by-token form for all tokens (module docstring)."""
+    for module in model.modules():
+        if isinstance(module, GatedMLA):
+            module.form = ABSORBED
+        elif isinstance(module, KimiDeltaAttention):
+            module.token_wise = True

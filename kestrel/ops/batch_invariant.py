@@ -26,9 +26,9 @@ experts run on kestrel_cpu::expert_matvec, each token-expert pair summed alike h
 token-by-token forms for every token (kestrel.engine.deterministic), so a prefill chunk, a decode step and a
 verification compute each token the same way.
 
-The overrides are registered once per process, at the first `invariant()` (torch.library, CPU dispatch key); outside
-it, for other dtypes and for tensors that need gradients, they call torch's own kernels through the ops' out=
-overloads, which they leave alone.
+The overrides are registered (torch.library, CPU dispatch key) while any thread is inside `invariant()`, so the rest
+of the time torch's kernels run untouched; on other threads meanwhile, and for other dtypes and tensors that need
+gradients, they call torch's own kernels through the ops' out= overloads, which they leave alone.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from functools import cache
 
 import torch
 
@@ -45,6 +44,10 @@ from . import cpu
 from .torch.moe import moe_experts_native
 
 _state = threading.local()
+_registry = threading.Lock()
+_library: torch.library.Library | None = None
+_entered = 0
+"""How many invariant() blocks are open, on all threads: the overrides are registered while any is."""
 
 
 def active() -> bool:
@@ -54,15 +57,25 @@ def active() -> bool:
 
 @contextlib.contextmanager
 def invariant() -> Iterator[None]:
-    """Run this thread's float32 CPU products, softmaxes and gates batch-invariantly (module docstring)."""
-    if not _register():
+    """Run this thread's float32 CPU products, sums, softmaxes and gates batch-invariantly (module docstring)."""
+    global _library, _entered
+    if not cpu.load():
         raise RuntimeError("deterministic inference needs kestrel's CPU kernels, which could not be built here "
                            "(the log says why).")
+    with _registry:
+        if _entered == 0:
+            _library = _register()
+        _entered += 1
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
         yield
     finally:
         _state.depth -= 1
+        with _registry:
+            _entered -= 1
+            if _entered == 0:
+                _library._destroy()
+                _library = None
 
 
 def _ours(*tensors: torch.Tensor) -> bool:
@@ -151,7 +164,8 @@ def _log_softmax(x, dim, half_to_float):
 
 def _sum(x, dim, keepdim=False, *, dtype=None):
     xs = x.contiguous() if _ours(x) else x
-    return torch.ops.aten.sum.IntList_out(xs, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or x.dtype))
+    promoted = x.dtype if x.is_floating_point() or x.is_complex() else torch.int64       # as torch.sum promotes
+    return torch.ops.aten.sum.IntList_out(xs, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or promoted))
 
 
 def _mean(x, dim, keepdim=False, *, dtype=None):
@@ -160,8 +174,9 @@ def _mean(x, dim, keepdim=False, *, dtype=None):
 
 
 def _sigmoid(x):
-    if not _ours(x):
-        return torch.sigmoid(x, out=torch.empty_like(x))
+    if not _ours(x):                 # an integer tensor's sigmoid is floating-point
+        floating = x.is_floating_point() or x.is_complex()
+        return torch.sigmoid(x, out=torch.empty_like(x, dtype=x.dtype if floating else torch.get_default_dtype()))
     return 1.0 / (1.0 + torch.exp(-x))
 
 
@@ -197,11 +212,8 @@ OVERRIDES: dict[str, Callable] = {
 """The aten ops (their default overloads) replaced on the CPU."""
 
 
-@cache
-def _register() -> torch.library.Library | None:
-    """Register OVERRIDES for the CPU (once per process); None where kestrel's CPU kernels are not built here."""
-    if not cpu.load():
-        return None
+def _register() -> torch.library.Library:
+    """OVERRIDES registered for the CPU (0.3 ms, and as long to remove: invariant() holds them for a step)."""
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():         # torch warns that it overrides its own kernels: that is the point
         warnings.simplefilter("ignore", UserWarning)

@@ -1,0 +1,155 @@
+"""Deterministic inference: with --enable-deterministic-inference a request's tokens and logprobs are bit for bit
+those of the same request run alone, cold and in one prefill chunk, however the engine batched it (seeded random
+workloads: concurrency, arrival order, chunked-prefill splits, page boundaries, prefix-cache hits, n > 1,
+preemption), with speculative decoding on or off, and teacher forcing reports exactly what sampling reported."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
+from kestrel.engine.engine import LLMEngine
+from kestrel.engine.outputs import RequestOutput
+from conftest import VOCAB, write_model
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k3-tiny")
+    write_model(folder, "k3-tiny")
+    return folder
+
+
+@pytest.fixture(params=["k3.1", "k3", "kimi-linear"])
+def family_dir(request, model_dir, k3_dir, kimi_linear_dir):
+    """Random models of the family: K3.1 (sparse MLA, the indexer keeps 4 keys), K3 (dense MLA), Kimi-Linear."""
+    return {"k3.1": model_dir, "k3": k3_dir, "kimi-linear": kimi_linear_dir}[request.param]
+
+
+def engine(folder, **overrides) -> LLMEngine:
+    args = dict(model=str(folder), dtype="float32", page_size=PAGE, enable_deterministic_inference=True)
+    return LLMEngine(EngineArgs(**(args | overrides)))
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int                    # the step at which the workload adds it
+
+
+def workload(seed: int, count: int = 10) -> list[Job]:
+    """Prompts of lengths around the page size and the chunk sizes below, greedy or seeded sampling (n = 2 for
+    some), arriving over the first steps; some are a follow-up of an earlier one (its prompt and more), arriving
+    after it has finished, so that they hit the prefix cache."""
+    rng = random.Random(seed)
+    jobs: list[Job] = []
+    for _ in range(count):
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 3, 4, 5, 7, 8, 9, 12, 16, 17]))]
+        sampled = rng.random() < 0.5
+        params = SamplingParams(temperature=1.0 if sampled else 0.0, seed=rng.randrange(1000) if sampled else None,
+                                n=2 if sampled and rng.random() < 0.5 else 1, max_tokens=rng.randrange(1, 10),
+                                ignore_eos=True, logprobs=2)
+        if jobs and rng.random() < 0.4:
+            earlier = rng.choice(jobs)
+            jobs.append(Job(earlier.prompt + own, params, earlier.arrival + 20))
+        else:
+            jobs.append(Job(own, params, rng.randrange(6)))
+    return jobs
+
+
+def run(eng: LLMEngine, jobs: list[Job]) -> list[RequestOutput]:
+    """Every job through eng, each added at its arrival step; their final outputs in job order."""
+    done: dict[str, RequestOutput] = {}
+    step = 0
+    while len(done) < len(jobs):
+        for i, job in enumerate(jobs):
+            if job.arrival == step:
+                eng.add_request(str(i), job.prompt, job.params)
+        for output in eng.step():
+            if output.finished:
+                done[output.request_id] = output
+        step += 1
+    return [done[str(i)] for i in range(len(jobs))]
+
+
+def alone(folder, jobs: list[Job]) -> list[RequestOutput]:
+    """Each job run by itself, cold (no prefix cache), its prompt in one chunk."""
+    eng = engine(folder, disable_radix_cache=True)
+    return [run(eng, [Job(job.prompt, job.params, 0)])[0] for job in jobs]
+
+
+def assert_same(got: RequestOutput, expected: RequestOutput) -> None:
+    assert len(got.outputs) == len(expected.outputs)
+    for a, b in zip(got.outputs, expected.outputs):
+        assert a.token_ids == b.token_ids
+        assert [{t: p.logprob for t, p in step.items()} for step in a.logprobs] == \
+               [{t: p.logprob for t, p in step.items()} for step in b.logprobs]        # bit for bit
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_equals_alone(family_dir, seed):
+    jobs = workload(seed)
+    eng = engine(family_dir, chunked_prefill_size=6, max_prefill_tokens=12, max_running_requests=5)
+    batched = run(eng, jobs)
+    assert any(out.num_cached_tokens for out in batched)                # the prefix cache took part
+    for got, expected in zip(batched, alone(family_dir, jobs)):
+        assert_same(got, expected)
+
+
+def test_preemption_equals_alone(model_dir):
+    """A KV pool too small for every request at once: the scheduler preempts and recomputes, to the same bits."""
+    jobs = [Job(job.prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1), 0)
+            for job in workload(2, count=6)]
+    eng = engine(model_dir, max_total_tokens=48, disable_radix_cache=True)
+    batched = run(eng, jobs)
+    assert eng.scheduler.num_preemptions > 0
+    for got, expected in zip(batched, alone(model_dir, jobs)):
+        assert_same(got, expected)
+
+
+def test_teacher_forcing_equals_sampling(family_dir):
+    """echo + logprobs: the prompt logprobs of prompt + generated text are the logprobs sampling reported."""
+    llm = LLM(str(family_dir), dtype="float32", page_size=PAGE, enable_deterministic_inference=True)
+    jobs = workload(3, count=4)
+    for job in jobs:
+        params = SamplingParams(temperature=job.params.temperature, seed=job.params.seed, max_tokens=8,
+                                ignore_eos=True, logprobs=0)
+        out = llm.generate({"prompt_token_ids": job.prompt}, params)[0].outputs[0]
+        forced = llm.generate({"prompt_token_ids": job.prompt + out.token_ids},
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+        sampled = [step[token].logprob for step, token in zip(out.logprobs, out.token_ids)]
+        assert [forced[len(job.prompt) + i][t].logprob for i, t in enumerate(out.token_ids)] == sampled
+
+
+def test_speculative_greedy_equals_plain(model_dir):
+    """NEXTN drafts, verified a few tokens per sequence at once: the same tokens and logprobs as plain decoding."""
+    jobs = [Job(job.prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2), job.arrival)
+            for job in workload(4, count=6)]
+    speculative = run(engine(model_dir, speculative_algorithm="NEXTN", speculative_num_draft_tokens=3), jobs)
+    for got, expected in zip(speculative, alone(model_dir, jobs)):
+        assert_same(got, expected)
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"enable_torch_compile": True}, "--enable-torch-compile"),
+    ({"enable_background_compile": True}, "--enable-background-compile"),
+    ({"tp_size": 2}, "more than one rank"),
+    ({"dtype": "bfloat16"}, "--dtype bfloat16"),
+    ({"moe_mxfp8_activations": True}, "--moe-mxfp8-activations"),
+])
+def test_refuses_what_it_cannot_hold(model_dir, flags, named):
+    with pytest.raises(ValueError, match="runs on the CPU in float32") as refused:
+        engine(model_dir, **flags)
+    assert named in str(refused.value)
+
+
+def test_refuses_a_bfloat16_checkpoint_under_dtype_auto():
+    with pytest.raises(ValueError, match="add --dtype float32"):
+        LLMEngine(EngineArgs(model=str(BUNDLED_MODEL), enable_deterministic_inference=True))

@@ -77,7 +77,7 @@ HELP = {
                                  "until their graph is ready (README: what it costs while compiling)",
     "torch_compile_max_bs": "largest decode batch run compiled (bigger ones run eagerly)",
     "enable_deterministic_inference": "a request's tokens and logprobs bit for bit the same however it is batched "
-                                      "(CPU, float32, one rank, eager; docs/benchmarks.md: what it costs)",
+                                      "(CPU, one rank, eager; docs/benchmarks.md: what it costs)",
 }
 """The one-line --help of each engine flag (EngineArgs' fields)."""
 

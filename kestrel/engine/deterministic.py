@@ -10,14 +10,13 @@ or several (`--chunked-prefill-size`), decoded, verified as a draft, recomputed,
 (its KDA snapshots are the recurrence's own states); and teacher forcing (`echo` with `logprobs`) reports exactly the
 logprobs sampling reported. Seeded sampling draws from the request's own generator (kestrel.engine.sampling).
 
-It runs where those operators exist: on the CPU, in float32, on one rank, eagerly (the compiled steps and the C++
-decode kernels sum in their own orders). `refusal` names any setting outside that, and the engine refuses to start
-with it rather than serve outputs that are not what the flag promises.
+It runs where those operators exist: on the CPU (float32 or bfloat16), on one rank, eagerly (the compiled steps sum
+in their own orders). `refusal` names any setting outside that, and the engine refuses to start with it rather than
+serve outputs that are not what the flag promises.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..layers.kda import KimiDeltaAttention
@@ -33,7 +32,6 @@ def refusal(args: EngineArgs) -> str | None:
         return None
     conflicts = [flag for flag, on in (
         ("--device cuda", args.device != "cpu"),
-        ("--dtype bfloat16", args.dtype == "bfloat16"),
         ("--enable-torch-compile", args.enable_torch_compile),
         ("--enable-background-compile", args.enable_background_compile),
         ("--moe-mxfp8-activations", args.moe_mxfp8_activations),
@@ -45,16 +43,8 @@ def refusal(args: EngineArgs) -> str | None:
     ) if on]
     if not conflicts:
         return None
-    return (f"{FLAG} runs on the CPU in float32, on one rank and eagerly, where kestrel's batch-invariant operators "
-            f"are; drop {', '.join(conflicts)}.")
-
-
-def model_refusal(model: nn.Module) -> str | None:
-    """Why a loaded model cannot run deterministically (its dtype: `--dtype auto` takes the checkpoint's), or None."""
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32:
-        return None
-    return f"{FLAG} computes in float32, and this checkpoint's dtype is {str(dtype).removeprefix('torch.')}: add --dtype float32."
+    return (f"{FLAG} runs on the CPU, on one rank and eagerly, where kestrel's batch-invariant operators are; drop "
+            f"{', '.join(conflicts)}.")
 
 
 def prepare(model: nn.Module) -> None:

@@ -90,8 +90,6 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
                        embed_last_stage=args.speculative_algorithm in MODEL_DRAFTERS)
     config = model.config
     if args.enable_deterministic_inference:
-        if (reason := deterministic.model_refusal(model)) is not None:
-            raise ValueError(reason)
         deterministic.prepare(model)
     if args.moe_mxfp8_activations:
         _use_mxfp8_activations(model, args.model)

@@ -1,8 +1,10 @@
 """Batch-invariant operators for deterministic inference (`--enable-deterministic-inference`).
 
-Inside `invariant()` (on the thread that enters it: the engine's, around each step), float32 CPU calls of the aten
-ops below compute every element of their result in one fixed order of operations that depends only on that
-element's own inputs, never on how many rows share the call, where a row lies in it, or how many threads run it:
+Inside `invariant()` (on the thread that enters it: the engine's, around each step), float32 and bfloat16 CPU calls
+of the aten ops below compute every element of their result in one fixed order of operations that depends only on
+that element's own inputs, never on how many rows share the call, where a row lies in it, or how many threads run
+it (bfloat16 in float32, rounded once at the end; its products widen their operands, a copy of each weight per
+call):
 
 - products (mm, addmm, bmm, baddbmm, mv, addmv; F.linear, matmul and einsum reach them): each output one fused
   multiply-add per input, in input order from zero (kestrel_cpu::invariant_mm, or linear_rows where the second
@@ -79,15 +81,22 @@ def invariant() -> Iterator[None]:
 
 
 def _ours(*tensors: torch.Tensor) -> bool:
-    """Whether a call on these tensors takes the invariant path: on this thread inside invariant(), float32 CPU
-    tensors, no gradient wanted."""
-    return (active() and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    """Whether a call on these tensors takes the invariant path: on this thread inside invariant(), CPU tensors all
+    float32 or all bfloat16, no gradient wanted."""
+    return (active() and all(t.device.type == "cpu" for t in tensors)
+            and len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in COMPUTED
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
+COMPUTED = (torch.float32, torch.bfloat16)
+"""The dtypes the invariant paths take: float32, and bfloat16 computed in float32 (its values convert exactly;
+each result is rounded once, at the end)."""
+
+
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] or a [B, M, K] @ b [B, K, N], float32, each output summed in input order by fused
-    multiply-adds from zero."""
+    """a [M, K] @ b [K, N] or a [B, M, K] @ b [B, K, N] in float32 (bfloat16 operands widened: a copy), each output
+    summed in input order by fused multiply-adds from zero."""
+    a, b = a.float(), b.float()
     if a.dim() == 2 and b.t().is_contiguous():          # a row-major weight's transpose, or a column
         return torch.ops.kestrel_cpu.linear_rows(a, b.t(), None)
     if b.shape[-1] > 1 and b.stride(-1) != 1:
@@ -101,104 +110,113 @@ def _scaled(out: torch.Tensor, alpha: float, base: torch.Tensor | None = None, b
         out = out * alpha
     if base is None or beta == 0:
         return out
-    return out + (base if beta == 1 else base * beta)
+    return out + (base.float() if beta == 1 else base.float() * beta)
 
 
 def _mm(a, b):
-    return product(a, b) if _ours(a, b) else torch.mm(a, b, out=a.new_empty(a.shape[0], b.shape[1]))
+    if not _ours(a, b):
+        return torch.mm(a, b, out=a.new_empty(a.shape[0], b.shape[1]))
+    return product(a, b).to(a.dtype)
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
     if not _ours(bias, a, b):
         return torch.addmm(bias, a, b, beta=beta, alpha=alpha,
                            out=a.new_empty(a.shape[0], b.shape[1], dtype=torch.result_type(bias, a)))
-    return _scaled(product(a, b), alpha, bias, beta)
+    return _scaled(product(a, b), alpha, bias, beta).to(a.dtype)
 
 
 def _bmm(a, b):
-    return product(a, b) if _ours(a, b) else torch.bmm(a, b, out=a.new_empty(a.shape[0], a.shape[1], b.shape[2]))
+    if not _ours(a, b):
+        return torch.bmm(a, b, out=a.new_empty(a.shape[0], a.shape[1], b.shape[2]))
+    return product(a, b).to(a.dtype)
 
 
 def _baddbmm(base, a, b, *, beta=1, alpha=1):
     if not _ours(base, a, b):
         return torch.baddbmm(base, a, b, beta=beta, alpha=alpha,
                              out=a.new_empty(a.shape[0], a.shape[1], b.shape[2]))
-    return _scaled(product(a, b), alpha, base, beta)
+    return _scaled(product(a, b), alpha, base, beta).to(a.dtype)
 
 
 def _mv(a, v):
     if not _ours(a, v):
         return torch.mv(a, v, out=a.new_empty(a.shape[0]))
-    return product(a, v.unsqueeze(1)).squeeze(1)
+    return product(a, v.unsqueeze(1)).squeeze(1).to(a.dtype)
 
 
 def _addmv(base, a, v, *, beta=1, alpha=1):
     if not _ours(base, a, v):
         return torch.addmv(base, a, v, beta=beta, alpha=alpha, out=a.new_empty(a.shape[0]))
-    return _scaled(product(a, v.unsqueeze(1)).squeeze(1), alpha, base, beta)
+    return _scaled(product(a, v.unsqueeze(1)).squeeze(1), alpha, base, beta).to(a.dtype)
 
 
 def _exp_sum(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x - max over dim, its exp, and their sum (dim kept), summed by cumsum: sequentially in float64, position by
-    position, so terms of zero appended at the end change nothing."""
+    """x - max over dim, its exp, and their sum (dim kept), in float32, summed by cumsum: sequentially in float64,
+    position by position, so terms of zero appended at the end change nothing."""
+    x = x.float()
     shifted = x - x.amax(dim, keepdim=True)
     e = shifted.exp()
     return shifted, e, e.cumsum(dim).narrow(dim, x.shape[dim] - 1, 1)
 
 
 def _softmax(x, dim, half_to_float):
-    if not _ours(x) or half_to_float or x.dim() == 0 or x.numel() == 0:
-        return torch.ops.aten._softmax.out(x, dim, half_to_float, out=torch.empty_like(
-            x, dtype=torch.float32 if half_to_float else x.dtype))
+    out_dtype = torch.float32 if half_to_float else x.dtype
+    if not _ours(x) or x.dim() == 0 or x.numel() == 0:
+        return torch.ops.aten._softmax.out(x, dim, half_to_float, out=torch.empty_like(x, dtype=out_dtype))
     _, e, total = _exp_sum(x, dim)
-    return e / total
+    return (e / total).to(out_dtype)
 
 
 def _log_softmax(x, dim, half_to_float):
-    if not _ours(x) or half_to_float or x.dim() == 0 or x.numel() == 0:
-        return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=torch.empty_like(
-            x, dtype=torch.float32 if half_to_float else x.dtype))
+    out_dtype = torch.float32 if half_to_float else x.dtype
+    if not _ours(x) or x.dim() == 0 or x.numel() == 0:
+        return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=torch.empty_like(x, dtype=out_dtype))
     shifted, _, total = _exp_sum(x, dim)
-    return shifted - total.log()
+    return (shifted - total.log()).to(out_dtype)
 
 
 def _sum(x, dim, keepdim=False, *, dtype=None):
-    xs = x.contiguous() if _ours(x) else x
     promoted = x.dtype if x.is_floating_point() or x.is_complex() else torch.int64       # as torch.sum promotes
-    return torch.ops.aten.sum.IntList_out(xs, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or promoted))
+    if not _ours(x):
+        return torch.ops.aten.sum.IntList_out(x, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or promoted))
+    total = torch.ops.aten.sum.IntList_out(x.float().contiguous(), dim, keepdim, out=x.new_empty(0, dtype=torch.float32))
+    return total.to(dtype or promoted)
 
 
 def _mean(x, dim, keepdim=False, *, dtype=None):
-    xs = x.contiguous() if _ours(x) else x
-    return torch.ops.aten.mean.out(xs, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or x.dtype))
+    if not _ours(x):
+        return torch.ops.aten.mean.out(x, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or x.dtype))
+    mean = torch.ops.aten.mean.out(x.float().contiguous(), dim, keepdim, out=x.new_empty(0, dtype=torch.float32))
+    return mean.to(dtype or x.dtype)
 
 
 def _sigmoid(x):
     if not _ours(x):                 # an integer tensor's sigmoid is floating-point
         floating = x.is_floating_point() or x.is_complex()
         return torch.sigmoid(x, out=torch.empty_like(x, dtype=x.dtype if floating else torch.get_default_dtype()))
-    return 1.0 / (1.0 + torch.exp(-x))
+    return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
 
 
 def _silu(x):
     if not _ours(x):
         return torch.ops.aten.silu.out(x, out=torch.empty_like(x))
-    return x / (1.0 + torch.exp(-x))
+    return (x.float() / (1.0 + torch.exp(-x.float()))).to(x.dtype)
 
 
 def _softplus(x, beta=1, threshold=20):
     if not _ours(x):
         return torch.ops.aten.softplus.out(x, beta, threshold, out=torch.empty_like(x))
-    scaled = x * beta
-    return torch.where(scaled > threshold, x, torch.log1p(torch.exp(scaled)) / beta)
+    scaled = x.float() * beta
+    return torch.where(scaled > threshold, x.float(), torch.log1p(torch.exp(scaled)) / beta).to(x.dtype)
 
 
 def _moe_experts(z, ids, weights, experts, activation, mxfp8_activations=False):
-    """kestrel.ops.torch.moe's moe_experts on the CPU kernel (moe_experts_native): torch's grouped GEMM sums each
-    expert's rows by how many tokens chose it."""
+    """kestrel.ops.torch.moe's moe_experts on the CPU kernel (moe_experts_native), in float32 (bfloat16 activations
+    widened, the result rounded back): torch's grouped GEMM sums each expert's rows by how many tokens chose it."""
     if mxfp8_activations:
         raise ValueError("deterministic inference runs the routed experts without MXFP8 activations.")
-    return moe_experts_native(z, ids, weights, experts, activation)
+    return moe_experts_native(z.float(), ids, weights, experts, activation).to(z.dtype)
 
 
 INVARIANT_OPS: dict[str, Callable] = {"moe_experts": _moe_experts}

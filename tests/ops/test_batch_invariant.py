@@ -36,12 +36,12 @@ def weight_t(out: int, inp: int) -> torch.Tensor:
 
 
 ROW_OPS = {
-    # name: (op on rows [M, D], rows' width D); weights fixed per test
-    "linear (row-major weight)": (lambda x, w=weight_t(70, 40): x @ w, 40),
-    "linear (column-major weight)": (lambda x, w=torch.randn(40, 70): x @ w, 40),
-    "linear with bias": (lambda x, w=weight_t(70, 40), b=torch.randn(70): F.linear(x, w.t(), b), 40),
-    "matrix-vector": (lambda x, v=torch.randn(40): x @ v, 40),
-    "einsum over heads": (lambda x, w=torch.randn(4, 10, 33): torch.einsum("thd,hdr->thr", x.view(-1, 4, 10), w), 40),
+    # name: (op on rows [M, D], rows' width D); float32 weights, which bfloat16 rows take in bfloat16
+    "linear (row-major weight)": (lambda x, w=weight_t(70, 40): x @ w.to(x.dtype), 40),
+    "linear (column-major weight)": (lambda x, w=torch.randn(40, 70): x @ w.to(x.dtype), 40),
+    "linear with bias": (lambda x, w=weight_t(70, 40), b=torch.randn(70): F.linear(x, w.t().to(x.dtype), b.to(x.dtype)), 40),
+    "matrix-vector": (lambda x, v=torch.randn(40): x @ v.to(x.dtype), 40),
+    "einsum over heads": (lambda x, w=torch.randn(4, 10, 33): torch.einsum("thd,hdr->thr", x.view(-1, 4, 10), w.to(x.dtype)), 40),
     "softmax": (lambda x: x.softmax(-1), 37),
     "log_softmax": (lambda x: x.log_softmax(-1), 37),
     "sum": (lambda x: x.sum(-1), 37),
@@ -52,11 +52,12 @@ ROW_OPS = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ROW_OPS)
-def test_rows_equal_alone(name, threads):
+def test_rows_equal_alone(name, threads, dtype):
     op, width = ROW_OPS[name]
     torch.manual_seed(0)
-    x = torch.randn(64, width) * 3
+    x = (torch.randn(64, width) * 3).to(dtype)
     with invariant():
         alone = torch.stack([op(x[i:i + 1])[0] for i in range(64)])
         for rows in range(1, 65):

@@ -1,7 +1,7 @@
 """What --enable-deterministic-inference costs `kestrel serve`, and what it buys, in one run.
 
-The bundled k3.1-tiny in float32 (the mode computes in float32; both runs use it), served by `kestrel serve`
-(torch on benchmarks/report.py's THREADS, a separate process on loopback), with the mode off and on. For each:
+The bundled k3.1-tiny served by `kestrel serve` (torch on benchmarks/report.py's THREADS, a separate process on
+loopback) in its checkpoint's dtype (bfloat16, the default) and in float32, with the mode off and on. For each:
 - determinism, the issue's reproduction: a seeded sampled request (seed 42, temperature 1, prompt "KING.\\n", 32
   tokens, logprobs) and a greedy one, each sent alone, then CHECKS times while LOAD other clients send other
   prompts; how many of the answers under load equal the answer alone in text and logprobs, bit for bit;
@@ -9,7 +9,7 @@ The bundled k3.1-tiny in float32 (the mode computes in float32; both runs use it
   (each sending its next request as its last ends) for WINDOW_S seconds each: output tok/s, TTFT and ITL.
 Writes the section "deterministic" of docs/benchmarks.md.
 
-Run: .venv/bin/python benchmarks/bench_deterministic.py (about 9 minutes on two cores)
+Run: .venv/bin/python benchmarks/bench_deterministic.py (about 14 minutes on two cores)
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ CHECKED = {"seeded": {"prompt": "KING.\n", "seed": 42, "temperature": 1.0, "max_
            "greedy": {"prompt": "KING.\n", "temperature": 0.0, "max_tokens": 32, "logprobs": 1}}
 
 
-async def answer(http: httpx.AsyncClient, body: dict) -> tuple[str, list[float]]:
+async def answer(http: httpx.AsyncClient, body: dict) -> tuple[str, list[float] | None]:
     response = await http.post("/v1/completions", json={"model": "k3.1-tiny", **body})
     response.raise_for_status()
     choice = response.json()["choices"][0]
-    return choice["text"], choice["logprobs"]["token_logprobs"]
+    return choice["text"], (choice["logprobs"] or {}).get("token_logprobs")
 
 
 async def determinism(url: str) -> dict[str, int]:
@@ -71,8 +71,8 @@ async def determinism(url: str) -> dict[str, int]:
 def serve(flags: list[str]) -> dict:
     """Launch `kestrel serve` with flags, measure, stop it."""
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(PORT), "--dtype",
-                               "float32", *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(PORT), *flags], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{PORT}"
     try:
         asyncio.run(first_answer(url, time.perf_counter()))
@@ -87,26 +87,31 @@ def serve(flags: list[str]) -> dict:
 
 def main() -> None:
     takes_no_options(__doc__)
-    runs = {"off (default)": serve([]), "--enable-deterministic-inference": serve(["--enable-deterministic-inference"])}
-    print(json.dumps(runs, indent=1))
-    checks = markdown_table(["mode", *(f"{name} answers under load equal to alone" for name in CHECKED)],
-                            [[name, *(f"{run['equal'][n]} / {CHECKS}" for n in CHECKED)] for name, run in runs.items()])
+    mode = "--enable-deterministic-inference"
+    runs = {(dtype, on): serve([*flags, *([mode] if on else [])])
+            for dtype, flags in (("bfloat16 (default)", []), ("float32", ["--dtype", "float32"]))
+            for on in (False, True)}
+    print(json.dumps({f"{dtype}, {'on' if on else 'off'}": run for (dtype, on), run in runs.items()}, indent=1))
+    checks = markdown_table(["dtype", mode, *(f"{name} answers under load equal to alone" for name in CHECKED)],
+                            [[dtype, "on" if on else "off", *(f"{run['equal'][n]} / {CHECKS}" for n in CHECKED)]
+                             for (dtype, on), run in runs.items()])
     columns = ["tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ITL max"]
-    base = runs["off (default)"]
-    rows = [[name, c, *(f"{run[c][k]:.1f}" for k in columns), f"{run[c]['tok/s'] / base[c]['tok/s']:.2f}"]
-            for name, run in runs.items() for c in CONCURRENCY]
-    table = markdown_table(["mode", "concurrency", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)",
-                            "ITL p99 (ms)", "longest gap (ms)", "tok/s vs off"], rows)
+    rows = [[dtype, "on" if on else "off", c, *(f"{run[c][k]:.1f}" for k in columns),
+             f"{run[c]['tok/s'] / runs[dtype, False][c]['tok/s']:.2f}"]
+            for (dtype, on), run in runs.items() for c in CONCURRENCY]
+    table = markdown_table(["dtype", mode, "concurrency", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+                            "ITL p50 (ms)", "ITL p99 (ms)", "longest gap (ms)", "tok/s vs off"], rows)
     print(checks, table, sep="\n\n")
     write_section("deterministic", "\n\n".join([
         "## Deterministic inference: what it buys and what it costs",
-        f"The bundled k3.1-tiny in float32 served by `kestrel serve` ({THREADS} torch thread"
-        f"{'' if THREADS == 1 else 's'}, a separate process on loopback), with --enable-deterministic-inference "
+        f"The bundled k3.1-tiny served by `kestrel serve` ({THREADS} torch thread{'' if THREADS == 1 else 's'}, a "
+        f"separate process on loopback) in its checkpoint's dtype (bfloat16, the default) and in float32, with {mode} "
         f"off and on. Determinism: a seeded sampled request (seed 42, temperature 1) and a greedy one, 32 tokens with "
         f"logprobs, sent alone, then {CHECKS} times each while {LOAD} other clients send other prompts (sampled, "
         "seeded, of other lengths); an answer counts as equal when its text and every logprob equal the answer alone "
         "exactly. Throughput: streamed /v1/completions (128-token prompts, 64 greedy tokens, ignore_eos), each "
-        f"client sending its next request as its last ends, {WINDOW_S} s per concurrency.",
+        f"client sending its next request as its last ends, {WINDOW_S} s per concurrency; the last column divides "
+        "by the same dtype with the mode off.",
         machine(), checks, table, f"Command: `{COMMAND}`"]))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..layers.kda import KimiDeltaAttention
+from ..ops import cpu
 from ..layers.mla import ABSORBED, GatedMLA
 from .args import EngineArgs
 
@@ -31,7 +32,7 @@ def refusal(args: EngineArgs) -> str | None:
     if not args.enable_deterministic_inference:
         return None
     conflicts = [flag for flag, on in (
-        ("--device cuda", args.device != "cpu"),
+        (f"--device {args.device}", args.device != "cpu"),
         ("--enable-torch-compile", args.enable_torch_compile),
         ("--enable-background-compile", args.enable_background_compile),
         ("--moe-mxfp8-activations", args.moe_mxfp8_activations),
@@ -48,7 +49,10 @@ def refusal(args: EngineArgs) -> str | None:
 
 
 def prepare(model: nn.Module) -> None:
-    """Make every attention layer of model run its token-by-token form for all tokens (module docstring)."""
+    """Make every attention layer of model run its token-by-token form for all tokens (module docstring); a
+    ValueError where kestrel's CPU kernels, which the operators run on, could not be built."""
+    if not cpu.load():
+        raise ValueError(f"{FLAG} needs kestrel's CPU kernels, which could not be built here (the log says why).")
     for module in model.modules():
         if isinstance(module, GatedMLA):
             module.form = ABSORBED

@@ -100,7 +100,8 @@ class KimiDeltaAttention(nn.Module):
         state.recurrent[captures.slot_index] = state.recurrent[slots]
         o = o_head.new_empty(qkv.shape[0], *o_head.shape[1:])
         o[captures.head_rows] = o_head
-        o[captures.tail_rows] = run(captures.tail_rows, captures.tail_cu, slots, torch.ones_like(slots, dtype=torch.bool))
+        o[captures.tail_rows] = run(captures.tail_rows, captures.tail_cu, slots,
+                                    torch.ones_like(slots, dtype=torch.bool))
         return o
 
     def step_params(self) -> KDALayerParams:

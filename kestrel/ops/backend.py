@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from . import batch_invariant
+
 AUTO, TORCH, TRITON = "auto", "torch", "triton"
 CHOICES = (AUTO, TORCH, TRITON)
 ENV_VAR = "KESTREL_OPS_BACKEND"

@@ -177,16 +177,19 @@ def _log_softmax(x, dim, half_to_float):
 
 
 def _sum(x, dim, keepdim=False, *, dtype=None):
-    promoted = x.dtype if x.is_floating_point() or x.is_complex() else torch.int64       # as torch.sum promotes
-    if not _ours(x):
-        return torch.ops.aten.sum.IntList_out(x, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or promoted))
-    total = torch.ops.aten.sum.IntList_out(x.float().contiguous(), dim, keepdim, out=x.new_empty(0, dtype=torch.float32))
-    return total.to(dtype or promoted)
+    if not _ours(x) or dtype not in (None, *COMPUTED):
+        promoted = x.dtype if x.is_floating_point() or x.is_complex() else torch.int64   # as torch.sum promotes
+        return torch.ops.aten.sum.IntList_out(x.contiguous() if _ours(x) else x, dim, keepdim, dtype=dtype,
+                                              out=x.new_empty(0, dtype=dtype or promoted))
+    total = torch.ops.aten.sum.IntList_out(x.float().contiguous(), dim, keepdim,
+                                           out=x.new_empty(0, dtype=torch.float32))
+    return total.to(dtype or x.dtype)
 
 
 def _mean(x, dim, keepdim=False, *, dtype=None):
-    if not _ours(x):
-        return torch.ops.aten.mean.out(x, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=dtype or x.dtype))
+    if not _ours(x) or dtype not in (None, *COMPUTED):
+        return torch.ops.aten.mean.out(x.contiguous() if _ours(x) else x, dim, keepdim, dtype=dtype,
+                                       out=x.new_empty(0, dtype=dtype or x.dtype))
     mean = torch.ops.aten.mean.out(x.float().contiguous(), dim, keepdim, out=x.new_empty(0, dtype=torch.float32))
     return mean.to(dtype or x.dtype)
 

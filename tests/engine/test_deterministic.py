@@ -140,6 +140,40 @@ def test_speculative_greedy_equals_plain(model_dir):
         assert_same(got, expected)
 
 
+def test_dflash_in_bfloat16_equals_plain():
+    """The bundled model's block draft (DFLASH) in bfloat16, where without the mode a verification's batched
+    arithmetic rounds differently from one-token steps (tests/engine/test_spec_block.py keeps float32 for that):
+    the same tokens and logprobs as plain decoding alone."""
+    draft = BUNDLED_MODEL.parent / "k3.1-tiny-dflash"
+    texts = ["KING.\nWhat news from France?\n\nMESSENGER.\n", "ROMEO.\nBut soft,", "To be, or not to be"]
+    speculative = engine(BUNDLED_MODEL, "bfloat16", speculative_algorithm="DFLASH", speculative_num_draft_tokens=4,
+                         speculative_draft_model_path=str(draft))
+    jobs = [Job(speculative.tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                   logprobs=1), 0) for text in texts]
+    for got, expected in zip(run(speculative, jobs), alone(BUNDLED_MODEL, jobs, "bfloat16")):
+        assert_same(got, expected)
+    assert speculative.spec_stats.accepted_tokens > 0
+
+
+def test_pd_handoff_equals_alone(model_dir):
+    """A prefill instance (prompts in chunks of 6) hands each request to a decode instance, which runs them all at
+    once: the same tokens and logprobs as each alone in one instance."""
+    jobs = [Job(job.prompt, SamplingParams(temperature=job.params.temperature, seed=job.params.seed, max_tokens=8,
+                                           ignore_eos=True, logprobs=2), 0) for job in workload(5, count=5)]
+    prefiller, decoder = engine(model_dir, chunked_prefill_size=6), engine(model_dir)
+    for i, job in enumerate(jobs):
+        handed = []
+        prefiller.add_request(f"p{i}", job.prompt, job.params, handoff=handed.append)
+        while prefiller.has_unfinished_requests():
+            prefiller.step()
+        decoder.add_prefilled_request(str(i), handed[0], job.params)
+    done = {}
+    while decoder.has_unfinished_requests():
+        done |= {output.request_id: output for output in decoder.step() if output.finished}
+    for i, expected in enumerate(alone(model_dir, jobs)):
+        assert_same(done[str(i)], expected)
+
+
 @pytest.mark.parametrize("flags, named", [
     ({"enable_torch_compile": True}, "--enable-torch-compile"),
     ({"enable_background_compile": True}, "--enable-background-compile"),

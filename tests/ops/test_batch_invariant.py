@@ -39,9 +39,11 @@ ROW_OPS = {
     # name: (op on rows [M, D], rows' width D); float32 weights, which bfloat16 rows take in bfloat16
     "linear (row-major weight)": (lambda x, w=weight_t(70, 40): x @ w.to(x.dtype), 40),
     "linear (column-major weight)": (lambda x, w=torch.randn(40, 70): x @ w.to(x.dtype), 40),
-    "linear with bias": (lambda x, w=weight_t(70, 40), b=torch.randn(70): F.linear(x, w.t().to(x.dtype), b.to(x.dtype)), 40),
+    "linear with bias": (lambda x, w=weight_t(70, 40), b=torch.randn(70):
+                         F.linear(x, w.t().to(x.dtype), b.to(x.dtype)), 40),
     "matrix-vector": (lambda x, v=torch.randn(40): x @ v.to(x.dtype), 40),
-    "einsum over heads": (lambda x, w=torch.randn(4, 10, 33): torch.einsum("thd,hdr->thr", x.view(-1, 4, 10), w.to(x.dtype)), 40),
+    "einsum over heads": (lambda x, w=torch.randn(4, 10, 33):
+                          torch.einsum("thd,hdr->thr", x.view(-1, 4, 10), w.to(x.dtype)), 40),
     "softmax": (lambda x: x.softmax(-1), 37),
     "log_softmax": (lambda x: x.log_softmax(-1), 37),
     "sum": (lambda x: x.sum(-1), 37),
@@ -127,7 +129,7 @@ def test_accuracy_of_softmax_and_gates():
     allowed = (d + d.amax(-1, keepdim=True) + 6) * U
     with invariant():
         probs, logs = x.softmax(-1).double(), x.log_softmax(-1).double()
-        gates = [(torch.sigmoid(x), torch.sigmoid(exact)), (F.silu(x), F.silu(exact)), (F.softplus(x), F.softplus(exact))]
+        gates = [(f(x), f(exact)) for f in (torch.sigmoid, F.silu, F.softplus)]
     assert ((probs - exact.softmax(-1)).abs() <= allowed * exact.softmax(-1)).all()
     assert ((logs - exact.log_softmax(-1)).abs() <= allowed + U * exact.log_softmax(-1).abs()).all()
     for got, want in gates:
@@ -138,7 +140,7 @@ def test_torch_kernels_for_other_dtypes():
     """In the mode, float64 calls of every overridden op (and, outside it, the ops themselves) compute what they
     should (through torch's own kernels: their out= overloads), against an independent float64 formula."""
     torch.manual_seed(5)
-    a, b, v = torch.randn(6, 9, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    a, b, v = (torch.randn(*shape, dtype=torch.float64) for shape in ((6, 9), (9, 4), (9,)))
     bias, batch = torch.randn(4, dtype=torch.float64), torch.randn(3, 6, 9, dtype=torch.float64)
     products = (a.unsqueeze(-1) * b).sum(1)
     for context in (invariant(), torch.no_grad()):
@@ -146,7 +148,8 @@ def test_torch_kernels_for_other_dtypes():
             assert torch.allclose(a @ b, products, rtol=1e-12)
             assert torch.allclose(torch.addmm(bias, a, b, beta=2, alpha=3), 2 * bias + 3 * products, rtol=1e-12)
             assert torch.allclose(a @ v, (a * v).sum(1), rtol=1e-12)
-            assert torch.allclose(torch.addmv(torch.ones(6, dtype=torch.float64), a, v), 1 + (a * v).sum(1), rtol=1e-12)
+            assert torch.allclose(torch.addmv(torch.ones(6, dtype=torch.float64), a, v), 1 + (a * v).sum(1),
+                                  rtol=1e-12)
             assert torch.allclose(torch.bmm(batch, b.expand(3, 9, 4)), (batch.unsqueeze(-1) * b).sum(2), rtol=1e-12)
             assert torch.allclose(torch.baddbmm(torch.zeros(3, 6, 4, dtype=torch.float64), batch, b.expand(3, 9, 4)),
                                   (batch.unsqueeze(-1) * b).sum(2), rtol=1e-12)

@@ -83,8 +83,7 @@ def causal_conv1d_windows(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: tor
     causal_conv1d_uniform's (one einsum over the taps), so that a token of a decode step, of a verification and of a
     few new tokens per sequence comes out the same bit for bit: x [T, C]; weight [C, W]; cu_seqlens [N+1] int64;
     state [N, W-1, C]. Returns y [T, C] and the final state [N, W-1, C], both in x's dtype."""
-    num_tokens, channels = x.shape
-    width, n = weight.shape[1], cu_seqlens.numel() - 1
+    channels, (width, n) = x.shape[1], (weight.shape[1], cu_seqlens.numel() - 1)
     stream_rows, window_rows, state_rows = _stream_layout(tuple(cu_seqlens.tolist()), width, x.device)
     source = torch.cat([state.reshape(n * (width - 1), channels).to(x.dtype), x])
     stream = source.index_select(0, stream_rows)

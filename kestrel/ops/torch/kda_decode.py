@@ -4,9 +4,8 @@ This is the reference for the fused decode kernel, composed of the plain pieces 
 an einsum over the taps whatever the tokens per sequence, and `recurrent_kda`'s steps) and the same gate,
 normalisation and output norm as `kestrel.layers.kda`; under kestrel.ops.batch_invariant's operators a token's
 numbers do not depend on how many tokens its sequence brings (deterministic inference runs every token through
-it). It reads each
-sequence's conv and recurrent state from its slot of the pool and, for plain decode, writes the new states back
-in place. With `keep_token_states` (speculative verification) it leaves the pool as it was and returns the states
+it). It reads each sequence's conv and recurrent state from its slot of the pool and, for plain decode, writes the
+new states back in place. With `keep_token_states` (speculative verification) it leaves the pool as it was and returns the states
 after every token instead, so the engine can commit the state of the last accepted token. Traced for the CPU's
 compiled decode step, a plain decode's recurrence runs on the C++ kernel kestrel_cpu::kda_state_step_
 (kestrel.ops.cpu), which updates the states where they lie, where it is built.

@@ -19,6 +19,7 @@ Run: .venv/bin/python benchmarks/bench_compile_defaults.py (about 12 minutes on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -91,21 +93,29 @@ def summarise(records: list[RequestRecord], length: float) -> dict[str, float]:
             "ITL max": 1000 * gaps[-1]}
 
 
-def serve(flags: list[str], cache: Path) -> dict:
-    """Launch `kestrel serve` with flags and compile cache `cache`, measure, stop it."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+@contextlib.contextmanager
+def kestrel_server(flags: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[tuple[str, float]]:
+    """`kestrel serve` with flags on port (torch on THREADS threads; env added to the environment) for the block:
+    its URL and the seconds from launch to its first answer. Stopped on the way out."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(THREADS), **(env or {})}
     launched = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(PORT), *flags], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{PORT}"
+    server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), *flags],
+                              env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
     try:
-        result = {"first answer s": asyncio.run(first_answer(url, launched))}
-        for c in CONCURRENCY:
-            result[c] = summarise(*asyncio.run(window(url, c, WINDOW_S)))
-        return result
+        yield url, asyncio.run(first_answer(url, launched))
     finally:
         server.terminate()
         server.wait(60)
+
+
+def serve(flags: list[str], cache: Path) -> dict:
+    """Launch `kestrel serve` with flags and compile cache `cache`, measure, stop it."""
+    with kestrel_server(flags, PORT, {"TORCHINDUCTOR_CACHE_DIR": str(cache)}) as (url, first):
+        result = {"first answer s": first}
+        for c in CONCURRENCY:
+            result[c] = summarise(*asyncio.run(window(url, c, WINDOW_S)))
+        return result
 
 
 def main() -> None:

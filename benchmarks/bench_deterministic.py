@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_compile_defaults import first_answer, prompt, summarise, window  # noqa: E402
+from benchmarks.bench_compile_defaults import kestrel_server, prompt, summarise, window  # noqa: E402
 from benchmarks.report import THREADS, machine, markdown_table, takes_no_options, write_section  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_deterministic.py"
@@ -70,19 +67,11 @@ async def determinism(url: str) -> dict[str, int]:
 
 def serve(flags: list[str]) -> dict:
     """Launch `kestrel serve` with flags, measure, stop it."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(PORT), *flags], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{PORT}"
-    try:
-        asyncio.run(first_answer(url, time.perf_counter()))
+    with kestrel_server(flags, PORT) as (url, _):
         result: dict = {"equal": asyncio.run(determinism(url))}
         for c in CONCURRENCY:
             result[c] = summarise(*asyncio.run(window(url, c, WINDOW_S)))
         return result
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def main() -> None:

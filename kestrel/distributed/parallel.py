@@ -1,16 +1,20 @@
 """What the layers see of the distributed runtime: the rank layout and the tensor-parallel group's collectives.
 
 `SINGLE` is the one-process instance (every collective is the identity), so layers never branch on whether they
-run distributed. Collectives count the bytes each rank contributes, per kind, for the communication benchmark.
+run distributed. Collectives count the bytes each rank contributes, per kind, for the communication benchmark. Under
+deterministic inference (kestrel.ops.batch_invariant's `invariant()`) sums over ranks add the ranks' parts in rank
+order.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
+from ..ops import batch_invariant
 from .layout import ParallelLayout
 
 
@@ -79,6 +83,8 @@ class Parallel:
                     kind: str) -> torch.Tensor:
         if group is None:
             return x
+        if op == dist.ReduceOp.SUM and batch_invariant.active():
+            return x.copy_(self._sum_in_rank_order(x, group))
         self.bytes_sent[kind] += x.nbytes
         if self.via_host:
             host = x.cpu()
@@ -86,6 +92,16 @@ class Parallel:
             return x.copy_(host)
         dist.all_reduce(x, op=op, group=group)
         return x
+
+    def _sum_in_rank_order(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """Every rank's x gathered and summed rank 0 first (deterministic inference): an all-reduce adds the ranks'
+        parts in an order that depends on where an element falls among the chunks it splits the tensor into, so,
+        past two ranks, on the batch's size."""
+        self.bytes_sent["all_gather"] += x.nbytes
+        host = x.contiguous().cpu() if self.via_host else x.contiguous()
+        parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, host, group=group)
+        return functools.reduce(torch.add, parts).to(x.device)
 
     def dp_gather(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """Every DP group's rows in group order: x [counts[dp_rank], ...] -> [sum(counts), ...] (parts padded to the

@@ -10,9 +10,12 @@ or several (`--chunked-prefill-size`), decoded, verified as a draft, recomputed,
 (its KDA snapshots are the recurrence's own states); and teacher forcing (`echo` with `logprobs`) reports exactly the
 logprobs sampling reported. Seeded sampling draws from the request's own generator (kestrel.engine.sampling).
 
-It runs where those operators exist: on the CPU (float32 or bfloat16), on one rank, eagerly (the compiled steps sum
-in their own orders). `refusal` names any setting outside that, and the engine refuses to start with it rather than
-serve outputs that are not what the flag promises.
+It runs where those operators exist: on the CPU (float32 or bfloat16), eagerly (the compiled steps sum in their own
+orders), on one rank or under tensor (and expert) and pipeline parallelism, deterministic within a layout: every
+rank runs the operators, and sums over ranks add the ranks' parts in rank order (kestrel.distributed.parallel), so a
+layout gives the same bits run after run, though not the bits of another layout. `refusal` names any setting outside
+that (data parallelism and decode context parallelism are not proven yet), and the engine refuses to start with it
+rather than serve outputs that are not what the flag promises.
 """
 
 from __future__ import annotations
@@ -37,15 +40,15 @@ def refusal(args: EngineArgs) -> str | None:
         ("--enable-background-compile", args.enable_background_compile),
         ("--moe-mxfp8-activations", args.moe_mxfp8_activations),
         ("--moe-onednn-experts", args.moe_onednn_experts),
-        ("more than one rank (--tp-size, --dp-size, --pp-size, --dcp-size, --nnodes)",
-         max(args.tp_size, args.dp_size, args.pp_size, args.dcp_size, args.nnodes) > 1),
+        (f"--dp-size {args.dp_size}", args.dp_size > 1),
+        (f"--dcp-size {args.dcp_size}", args.dcp_size > 1),
         ("a triton ops backend", "triton" in (args.attention_backend, args.moe_backend, args.kda_backend,
                                               args.norm_backend)),
     ) if on]
     if not conflicts:
         return None
-    return (f"{FLAG} runs on the CPU, on one rank and eagerly, where kestrel's batch-invariant operators are; drop "
-            f"{', '.join(conflicts)}.")
+    return (f"{FLAG} runs on the CPU, eagerly, with tensor and pipeline parallelism only, where kestrel's "
+            f"batch-invariant operators are; drop {', '.join(conflicts)}.")
 
 
 def prepare(model: nn.Module) -> None:

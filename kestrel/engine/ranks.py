@@ -8,6 +8,7 @@ take the smallest slot and page counts, so the pools are the same size everywher
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -35,6 +36,7 @@ from ..models.block_draft import BlockDraftModel, load_block_draft
 from ..models.checkpoint import load_model
 from ..models.dflash_draft import ContextWriter, DFlashDraftModel, is_dflash_draft, load_dflash_draft
 from ..models.kimi import KimiForCausalLM
+from ..ops import batch_invariant
 from . import deterministic
 from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
@@ -342,13 +344,14 @@ def run_rank(spec: RankSpec, args: EngineArgs) -> None:
         runner = ModelRunner(shard.model, shard.cache, shard.page_table, DeviceOps(),
                              drafter=model_drafter(args, shard))
         channel = StepChannel(control)
-        while (message := channel.receive()) is not None:
-            if isinstance(message, Save):
-                channel.gather(runner.read(message))
-            elif isinstance(message, Draft):
-                runner.run_draft(message)
-            else:
-                runner.execute(message)
+        with batch_invariant.invariant() if args.enable_deterministic_inference else contextlib.nullcontext():
+            while (message := channel.receive()) is not None:
+                if isinstance(message, Save):
+                    channel.gather(runner.read(message))
+                elif isinstance(message, Draft):
+                    runner.run_draft(message)
+                else:
+                    runner.execute(message)
         dist.destroy_process_group()
     except BaseException:
         log.exception("rank %d failed", spec.rank)

@@ -30,6 +30,25 @@ def expected() -> list[list[int]]:
     return tokens(LLM(str(BUNDLED_MODEL), **ARGS))
 
 
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
+def test_deterministic_inference_batched_equals_alone(layout):
+    """--enable-deterministic-inference at TP2 and PP2: both ranks run the batch-invariant operators (TP2 sums over
+    ranks in rank order), so requests batched together (prompts in chunks of 16) give the tokens and logprobs each
+    gives alone on the same layout, bit for bit."""
+    llm = LLM(str(BUNDLED_MODEL), enable_deterministic_inference=True, disable_radix_cache=True, **layout, **ARGS)
+    params = [SamplingParams(temperature=t, seed=7, max_tokens=8, ignore_eos=True, logprobs=2) for t in (0, 1, 0)]
+    try:
+        together = llm.generate(PROMPTS, params)
+        for prompt, p, got in zip(PROMPTS, params, together):
+            alone = llm.generate([prompt], p)[0].outputs[0]
+            assert got.outputs[0].token_ids == alone.token_ids
+            assert [{t: lp.logprob for t, lp in step.items()} for step in got.outputs[0].logprobs] == \
+                   [{t: lp.logprob for t, lp in step.items()} for step in alone.logprobs]
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
 def test_pp2_greedy_tokens_equal_one_process(expected):
     """Two pipeline stages of the bundled model (layers 0-2, all KDA, then 3-5 with both MLA layers, the LM head
     and the MTP layer), steps in two micro-batches, NGRAM drafts verified whole (every stage keeps and commits its

@@ -177,10 +177,11 @@ def test_pd_handoff_equals_alone(model_dir):
 @pytest.mark.parametrize("flags, named", [
     ({"enable_torch_compile": True}, "--enable-torch-compile"),
     ({"enable_background_compile": True}, "--enable-background-compile"),
-    ({"tp_size": 2}, "more than one rank"),
+    ({"dp_size": 2}, "--dp-size 2"),
     ({"moe_mxfp8_activations": True}, "--moe-mxfp8-activations"),
 ])
 def test_refuses_what_it_cannot_hold(model_dir, flags, named):
-    with pytest.raises(ValueError, match="runs on the CPU, on one rank and eagerly") as refused:
+    with pytest.raises(ValueError, match="runs on the CPU, eagerly, with tensor and pipeline parallelism only") \
+            as refused:
         engine(model_dir, **flags)
     assert named in str(refused.value)

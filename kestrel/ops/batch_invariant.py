@@ -52,8 +52,10 @@ _entered = 0
 """How many invariant() blocks are open, on all threads: the overrides are registered while any is."""
 
 
+@torch.compiler.assume_constant_result
 def active() -> bool:
-    """Whether this thread is inside `invariant()`."""
+    """Whether this thread is inside `invariant()`. A constant to torch.compile's tracing (no compiled step runs in
+    the mode), so graphs carry no guard on the thread-local state: one compiled on another thread would fail it."""
     return getattr(_state, "depth", 0) > 0
 
 

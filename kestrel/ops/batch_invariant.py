@@ -20,9 +20,10 @@ call):
   arithmetic. torch's own kernels compute the last elements of each thread's range with scalar code that rounds
   differently, so a row's results depended on where the batch put it.
 
-Everything else the model runs was checked to be invariant already (tests/ops/test_batch_invariant.py checks every
-op the forward uses, row by row, at batch sizes 1 to 64 and two thread counts): elementwise arithmetic and exp, log,
-tanh, rsqrt (IEEE or vectorised to the end of the array, in any layout), max, and cumsum (sequential). The routed
+The rest of what the model runs was probed the same way (rows at batch sizes 1 to 64, one to eight threads, row- and
+column-major) and is invariant already: elementwise arithmetic and exp, log, log1p, tanh, rsqrt (IEEE, or vectorised
+to the end of the array in any layout), max, cumsum (sequential), layer_norm. tests/ops/test_batch_invariant.py
+checks the replacements row by row; tests/engine/test_deterministic.py the whole forward, token by token. The routed
 experts run on kestrel_cpu::expert_matvec, each token-expert pair summed alike however many share its expert
 (INVARIANT_OPS, which kestrel.ops.backend's get_op hands out here). The KDA and MLA layers also take their
 token-by-token forms for every token (kestrel.engine.deterministic), so a prefill chunk, a decode step and a

@@ -54,6 +54,16 @@ void tile(const float* a, int64_t lda, int64_t ka, const float* b, int64_t ldb, 
     }
 }
 
+// tile<count> for count <= RT rows: the last tile's rows, all in one pass over the panel of b.
+template <int RT>
+void tile_rows(int64_t count, const float* a, int64_t lda, int64_t ka, const float* b, int64_t ldb, int64_t k_dim,
+               int64_t width, float* out, int64_t ldo) {
+  if constexpr (RT > 1) {
+    if (count < RT) return tile_rows<RT - 1>(count, a, lda, ka, b, ldb, k_dim, width, out, ldo);
+  }
+  tile<RT>(a, lda, ka, b, ldb, k_dim, width, out, ldo);
+}
+
 at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.dim() == b.dim() && (a.dim() == 2 || (a.dim() == 3 && a.size(0) == b.size(0))) &&
               a.size(-1) == b.size(-2), "invariant_mm: a [M, K] and b [K, N], or a [B, M, K] and b [B, K, N]");
@@ -72,18 +82,14 @@ at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& b) {
   const int64_t blocks = (cols + BLOCK - 1) / BLOCK, row_tiles = (rows + R - 1) / R;
   at::parallel_for(0, batch * blocks * row_tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
+      // Row tiles innermost: consecutive tasks multiply the same panel of b's columns, which stays in cache.
       const int64_t item = task / (blocks * row_tiles), within = task % (blocks * row_tiles);
-      const int64_t column = (within % blocks) * BLOCK, row = (within / blocks) * R;
+      const int64_t column = (within / row_tiles) * BLOCK, row = (within % row_tiles) * R;
       const int64_t width = std::min(BLOCK, cols - column), count = std::min<int64_t>(R, rows - row);
       const float* at_a = ap + item * a_batch + row * lda;
       const float* at_b = bp + item * b_batch + column;
       float* at_out = op + (item * rows + row) * cols + column;
-      if (count == R) {
-        tile<R>(at_a, lda, ka, at_b, ldb, k_dim, width, at_out, cols);
-      } else {
-        for (int64_t r = 0; r < count; ++r)
-          tile<1>(at_a + r * lda, lda, ka, at_b, ldb, k_dim, width, at_out + r * cols, cols);
-      }
+      tile_rows<R>(count, at_a, lda, ka, at_b, ldb, k_dim, width, at_out, cols);
     }
   });
   return out;

@@ -47,9 +47,9 @@ def prompt(i: int) -> list[int]:
     return [(7 * i + 13 * j) % 250 + 3 for j in range(PROMPT)]
 
 
-async def first_answer(url: str, launched: float) -> float:
+async def first_answer(url: str, launched: float, model: str = BUNDLED_MODEL.name) -> float:
     """Seconds from launch until a 1-token completion comes back."""
-    client = Client(url, model=BUNDLED_MODEL.name, timeout=LAUNCH_LIMIT_S)
+    client = Client(url, model=model, timeout=LAUNCH_LIMIT_S)
     try:
         while time.perf_counter() - launched < LAUNCH_LIMIT_S:
             record, _ = await client.send(RequestSpec("completions", {"prompt": prompt(0), "max_tokens": 1}))
@@ -61,10 +61,11 @@ async def first_answer(url: str, launched: float) -> float:
     raise RuntimeError(f"no answer within {LAUNCH_LIMIT_S} s of launch")
 
 
-async def window(url: str, concurrency: int, seconds: float) -> tuple[list[RequestRecord], float]:
+async def window(url: str, concurrency: int, seconds: float, model: str = BUNDLED_MODEL.name
+                 ) -> tuple[list[RequestRecord], float]:
     """Requests from `concurrency` clients, each sending the next as its last ends, started for `seconds`; their
     records and the window's length."""
-    client = Client(url, model=BUNDLED_MODEL.name)
+    client = Client(url, model=model)
     numbers = itertools.count(1)
     records: list[RequestRecord] = []
 
@@ -94,16 +95,18 @@ def summarise(records: list[RequestRecord], length: float) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def kestrel_server(flags: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[tuple[str, float]]:
-    """`kestrel serve` with flags on port (torch on THREADS threads; env added to the environment) for the block:
-    its URL and the seconds from launch to its first answer. Stopped on the way out."""
+def kestrel_server(flags: list[str], port: int, env: dict[str, str] | None = None, model: str = BUNDLED_MODEL.name
+                   ) -> Iterator[tuple[str, float]]:
+    """`kestrel serve` with flags on port (torch on THREADS threads; env added to the environment) for the block,
+    serving `model` (its served name): its URL and the seconds from launch to its first answer. Stopped on the way
+    out."""
     environment = {**os.environ, "OMP_NUM_THREADS": str(THREADS), **(env or {})}
     launched = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), *flags],
                               env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        yield url, asyncio.run(first_answer(url, launched))
+        yield url, asyncio.run(first_answer(url, launched, model))
     finally:
         server.terminate()
         server.wait(60)

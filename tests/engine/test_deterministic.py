@@ -94,8 +94,7 @@ def assert_same(got: RequestOutput, expected: RequestOutput) -> None:
                [{t: p.logprob for t, p in step.items()} for step in b.logprobs]        # bit for bit
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed, dtype", [(0, "float32"), (1, "bfloat16")])
 def test_batched_equals_alone(family_dir, seed, dtype):
     jobs = workload(seed)
     eng = engine(family_dir, dtype, chunked_prefill_size=6, max_prefill_tokens=12, max_running_requests=5)

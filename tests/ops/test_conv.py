@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.ops import causal_conv1d
+from kestrel.ops.torch.conv import causal_conv1d_windows
 
 LENS = [5, 0, 1, 2, 17]
 C, W = 6, 4
@@ -54,3 +55,16 @@ def test_one_token_per_sequence_matches_the_general_path():
         y_ref, final_ref = reference(x[n:n + 1], weight, state[n])
         torch.testing.assert_close(y[n:n + 1], y_ref)
         torch.testing.assert_close(final[n], final_ref)
+
+
+def test_window_sums_match_the_stream_convolution():
+    """causal_conv1d_windows (kda_decode's form for uneven tokens per sequence) sums each window by one einsum:
+    within W roundings (gamma_W sum |w x|) of causal_conv1d over float64, and the same final states exactly."""
+    torch.manual_seed(3)
+    x, weight, state = torch.randn(12, 10), torch.randn(10, 4), torch.randn(3, 3, 10)
+    cu = torch.tensor([0, 1, 6, 12])
+    y, final = causal_conv1d_windows(x, weight, cu, state)
+    exact, exact_final = causal_conv1d(x.double(), weight.double(), cu, state.double())
+    magnitude, _ = causal_conv1d(x.double().abs(), weight.double().abs(), cu, state.double().abs())
+    assert ((y.double() - exact).abs() <= 4 * 2.0 ** -24 / (1 - 4 * 2.0 ** -24) * magnitude).all()
+    assert torch.equal(final.double(), exact_final)

@@ -27,12 +27,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     bounds = tuple(cu_seqlens.tolist())
     if num_tokens == n and all(b - a == 1 for a, b in zip(bounds, bounds[1:])):    # decode: one token per sequence
         return causal_conv1d_step(x, weight, initial_state)
-    stream_rows, window_rows, state_rows = _stream_layout(bounds, width, x.device)
+    stream, window_rows, final_state = _streamed(x, initial_state, bounds)
+    out = _depthwise_valid(stream.to(weight.dtype), weight)
+    return out.index_select(0, window_rows).to(x.dtype), final_state
+
+
+def _streamed(x: torch.Tensor, state: torch.Tensor, bounds: tuple[int, ...]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, C] after each sequence's state rows state [N, W-1, C] in one stream [T + N(W-1), C] (x's dtype), each
+    token's window's first row of it [T] int64, and each sequence's last W-1 inputs [N, W-1, C] (the final state)."""
+    n, keep, channels = state.shape
+    stream_rows, window_rows, state_rows = _stream_layout(bounds, keep + 1, x.device)
     # Rows of `source`: every sequence's state rows first, then the new tokens.
-    source = torch.cat([initial_state.reshape(n * (width - 1), channels).to(x.dtype), x])
-    out = _depthwise_valid(source.index_select(0, stream_rows).to(weight.dtype), weight)
-    y = out.index_select(0, window_rows).to(x.dtype)
-    return y, source.index_select(0, state_rows).view(n, width - 1, channels)
+    source = torch.cat([state.reshape(n * keep, channels).to(x.dtype), x])
+    return source.index_select(0, stream_rows), window_rows, source.index_select(0, state_rows).view(n, keep, channels)
 
 
 @lru_cache(maxsize=16)
@@ -83,13 +91,9 @@ def causal_conv1d_windows(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: tor
     causal_conv1d_uniform's (one einsum over the taps), so that a token of a decode step, of a verification and of a
     few new tokens per sequence comes out the same bit for bit: x [T, C]; weight [C, W]; cu_seqlens [N+1] int64;
     state [N, W-1, C]. Returns y [T, C] and the final state [N, W-1, C], both in x's dtype."""
-    channels, (width, n) = x.shape[1], (weight.shape[1], cu_seqlens.numel() - 1)
-    stream_rows, window_rows, state_rows = _stream_layout(tuple(cu_seqlens.tolist()), width, x.device)
-    source = torch.cat([state.reshape(n * (width - 1), channels).to(x.dtype), x])
-    stream = source.index_select(0, stream_rows)
-    windows = stream.unfold(0, width, 1).index_select(0, window_rows)                     # [T, C, W]
-    y = torch.einsum("tcw,cw->tc", windows.to(weight.dtype), weight).to(x.dtype)
-    return y, source.index_select(0, state_rows).view(n, width - 1, channels)
+    stream, window_rows, final_state = _streamed(x, state, tuple(cu_seqlens.tolist()))
+    windows = stream.unfold(0, weight.shape[1], 1).index_select(0, window_rows)         # [T, C, W]
+    return torch.einsum("tcw,cw->tc", windows.to(weight.dtype), weight).to(x.dtype), final_state
 
 
 def causal_conv1d_uniform(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor

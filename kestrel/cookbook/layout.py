@@ -18,13 +18,15 @@ from .model import ModelFacts
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel sizes (SGLang's --tp-size, --dp-size with DP attention, --ep-size, --pp-size, --dcp-size)."""
+    """Parallel sizes (SGLang's --tp-size, --dp-size with DP attention, --ep-size, --pp-size, --dcp-size) and
+    whether the routed experts' tokens are dispatched all-to-all (--moe-a2a-backend other than none)."""
 
     tp: int = 8
     dp: int = 1
     ep: int = 1
     pp: int = 1
     dcp: int = 1
+    a2a: bool = False
 
     @property
     def world(self) -> int:
@@ -38,7 +40,7 @@ class Layout:
     def first_rank(self, engine: str = "sglang") -> FirstRank:
         """Rank 0 of `engine` ("kestrel" or "sglang") along the sharding axes: the heaviest rank (uneven splits give
         the first parts more)."""
-        return FirstRank(self.attention_tp, self.tp, self.ep, engine == "sglang")
+        return FirstRank(self.attention_tp, self.tp, self.ep, engine == "sglang", self.a2a)
 
     def stages(self, num_layers: int) -> list[range]:
         """The layers of each pipeline stage, cut as kestrel's engine cuts them (ParallelLayout.stage_layers)."""

@@ -44,6 +44,8 @@ class ParallelLayout:
     pp_size: int = 1
     dcp_size: int = 1
     dp_size: int = 1           # DP attention groups per TP group (1: attention splits over the whole TP group)
+    moe_a2a: bool = False      # routed experts' tokens dispatched all-to-all; the stream stays with its group
+    redundant_experts: int = 0     # extra expert slots over the EP ranks (EPLB's replicas)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
@@ -57,6 +59,9 @@ class ParallelLayout:
         if self.dcp_size < 1 or self.attn_tp_size % self.dcp_size:
             raise ValueError(f"dcp_size ({self.dcp_size}) must divide the attention TP size ({self.attn_tp_size}): "
                              "decode context parallelism splits the attention group.")
+        if self.redundant_experts < 0 or self.redundant_experts % self.ep_size:
+            raise ValueError(f"the redundant experts ({self.redundant_experts}) must split evenly over ep_size "
+                             f"{self.ep_size} (every EP rank holds as many expert slots).")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a layout of {self.world_size} ranks.")
 
@@ -76,7 +81,15 @@ class ParallelLayout:
         if args.dcp_size > 1 and args.page_size % args.dcp_size:
             raise ValueError(f"--page-size {args.page_size} must be a multiple of --dcp-size {args.dcp_size} (each "
                              "rank holds page_size / dcp_size tokens of every page).")
-        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size, args.dcp_size, dp)
+        if args.moe_a2a_backend != "none":
+            refused = [(args.ep_size == 1, "--ep-size 1 (nothing to dispatch)"),
+                       (args.dcp_size > 1, "--dcp-size (as SGLang: no a2a backend under DCP)")]
+            for bad, what in refused:
+                if bad:
+                    raise ValueError(f"--moe-a2a-backend {args.moe_a2a_backend} does not run with {what}.")
+        redundant = args.ep_num_redundant_experts if args.enable_eplb else 0
+        layout = cls(args.tp_size, args.ep_size, rank, args.pp_size, args.dcp_size, dp,
+                     args.moe_a2a_backend != "none", redundant)
         if layout.world_size % args.nnodes:
             raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "
                              "--tp-size x --pp-size a multiple of --nnodes.")
@@ -148,9 +161,16 @@ class ParallelLayout:
 
     def axis(self, name: str) -> tuple[int, int]:
         """(this rank's index, parts) along a sharding axis: "attn_tp" (its DP attention group; the whole TP group
-        without DP attention), "tp", "ep" or "moe_tp"."""
+        without DP attention), "tp", "ffn" (dense MLPs and shared experts: "attn_tp" with the all-to-all MoE, "tp"
+        otherwise), "ep" or "moe_tp"."""
+        if name == "ffn":
+            name = "attn_tp" if self.moe_a2a else "tp"
         return {"attn_tp": (self.attn_tp_rank, self.attn_tp_size), "tp": (self.tp_rank, self.tp_size),
                 "ep": (self.ep_rank, self.ep_size), "moe_tp": (self.moe_tp_rank, self.moe_tp_size)}[name]
+
+    def slots_per_rank(self, num_experts: int) -> int:
+        """Routed-expert slots each EP rank holds: its share of the experts and of the redundant slots."""
+        return (num_experts + self.redundant_experts) // self.ep_size
 
     def with_rank(self, rank: int) -> ParallelLayout:
         return dataclasses.replace(self, rank=rank)
@@ -161,7 +181,7 @@ class ParallelLayout:
         if self.dp_size == 1:
             return self
         return ParallelLayout(self.attn_tp_size, 1, self.pp_rank * self.attn_tp_size + self.attn_tp_rank,
-                              self.pp_size, self.dcp_size)
+                              self.pp_size, self.dcp_size, moe_a2a=self.moe_a2a)
 
     def check_model(self, config: ModelConfig) -> None:
         """A ValueError naming every width of config that this layout cannot split."""
@@ -177,9 +197,10 @@ class ParallelLayout:
         if config.num_experts and config.moe_intermediate_size // unit < self.moe_tp_size:
             problems.append(f"the experts' intermediate width {config.moe_intermediate_size} into "
                             f"{self.moe_tp_size} parts" + (" of whole MXFP4 blocks" if unit > 1 else ""))
-        for what, n in [("dense MLP width", config.intermediate_size if config.first_k_dense_replace else tp),
-                        ("vocabulary", config.vocab_size)]:
-            if n < tp:
+        ffn = self.axis("ffn")[1]
+        for what, n, parts in [("dense MLP width", config.intermediate_size if config.first_k_dense_replace else tp,
+                                ffn), ("vocabulary", config.vocab_size, tp)]:
+            if n < parts:
                 problems.append(f"{what} {n}")
         if problems:
             raise ValueError(f"tp_size {tp} cannot split this model's {', '.join(problems)}; choose sizes that "

@@ -24,7 +24,8 @@ class Parallel:
 
     `attn` is what attention and the vocabulary use: this Parallel itself, or under DP attention a Parallel over the
     rank's DP group (layout.attention()); `dp_group` then joins the ranks with the same place in every DP group,
-    over which dp_gather collects the groups' attention outputs."""
+    over which dp_gather collects the groups' attention outputs. `ffn` is what dense MLPs and shared experts use:
+    `attn` with the all-to-all MoE (their tokens stay with the attention group), this Parallel otherwise."""
 
     def __init__(self, layout: ParallelLayout = ParallelLayout(), group: dist.ProcessGroup | None = None,
                  via_host: bool = False, dcp_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
@@ -55,6 +56,10 @@ class Parallel:
     @property
     def tp_size(self) -> int:
         return self.layout.tp_size
+
+    @property
+    def ffn(self) -> Parallel:
+        return self.attn if self.layout.moe_a2a else self
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the TP ranks (x contiguous, reduced in place and returned)."""
@@ -106,14 +111,44 @@ class Parallel:
     def dp_gather(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """Every DP group's rows in group order: x [counts[dp_rank], ...] -> [sum(counts), ...] (parts padded to the
         largest for the collective)."""
-        if self.dp_group is None or not max(counts):
+        return self._gather_rows(x, counts, self.dp_group, "dp_all_gather")
+
+    def gather_rows(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """Every TP rank's rows in rank order: x [counts[tp_rank], ...] -> [sum(counts), ...]."""
+        return self._gather_rows(x, counts, self.group, "all_gather")
+
+    def _gather_rows(self, x: torch.Tensor, counts: tuple[int, ...], group: dist.ProcessGroup | None,
+                     kind: str) -> torch.Tensor:
+        if group is None or not max(counts):
             return x
         padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, max(counts) - x.shape[0])).contiguous()
-        self.bytes_sent["dp_all_gather"] += padded.nbytes
+        self.bytes_sent[kind] += padded.nbytes
         host = padded.cpu() if self.via_host else padded
         parts = [torch.empty_like(host) for _ in counts]
-        dist.all_gather(parts, host, group=self.dp_group)
+        dist.all_gather(parts, host, group=group)
         return torch.cat([part[:n] for part, n in zip(parts, counts)]).to(x.device)
+
+    def exchange_counts(self, counts: list[int]) -> list[int]:
+        """How many rows every TP rank will send this one, given how many this one sends each (counts[r] to rank
+        r): the sizes an all_to_all needs on both sides."""
+        if self.group is None:
+            return counts
+        received = torch.empty(len(counts), dtype=torch.int64)
+        dist.all_to_all_single(received, torch.tensor(counts, dtype=torch.int64), group=self.group)
+        self.bytes_sent["a2a_counts"] += 8 * (len(counts) - 1)
+        return received.tolist()
+
+    def all_to_all(self, x: torch.Tensor, sent: list[int], received: list[int], kind: str) -> torch.Tensor:
+        """Rows of x [sum(sent), ...] go sent[r] at a time, in order, to TP rank r; returns the rows every rank sent
+        this one, in rank order [sum(received), ...]. bytes_sent[kind] counts the rows that leave this rank."""
+        if self.group is None:
+            return x
+        row = x[0].nbytes if x.shape[0] else 0
+        self.bytes_sent[kind] += row * (sum(sent) - sent[self.layout.tp_rank])
+        host = x.contiguous().cpu() if self.via_host else x.contiguous()
+        out = host.new_empty((sum(received), *x.shape[1:]))
+        dist.all_to_all_single(out, host, received, sent, group=self.group)
+        return out.to(x.device)
 
     def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate along the last dim every rank's x [..., sizes[rank]] -> [..., sum(sizes)] (parts may differ

@@ -25,21 +25,22 @@ class Axes(Protocol):
     """A rank's place along the sharding axes: the engine's ParallelLayout, or a planned layout (the cookbook's)."""
 
     def axis(self, name: str) -> tuple[int, int]:
-        """(this rank's index, parts) along "attn_tp", "tp", "ep" or "moe_tp"."""
+        """(this rank's index, parts) along "attn_tp", "tp", "ffn", "ep" or "moe_tp"."""
 
 
 @dataclass(frozen=True)
 class Split:
-    """Dim `dim` of a tensor is split over layout axis `axis` ("attn_tp", "tp", "ep", "moe_tp") in whole units of
-    `unit`. Attention and the vocabulary split over the attention-TP group, dense MLPs and shared experts over the
-    whole TP group (the two differ only under DP attention, which the cookbook plans for SGLang)."""
+    """Dim `dim` of a tensor is split over layout axis `axis` ("attn_tp", "tp", "ffn", "ep", "moe_tp") in whole
+    units of `unit`. Attention and the vocabulary split over the attention-TP group, dense MLPs and shared experts
+    over the "ffn" axis: the whole TP group, or with the all-to-all MoE the attention group (the two differ only
+    under DP attention, which the cookbook plans for SGLang)."""
 
     dim: int
     axis: str
     unit: int = 1
 
 
-_COLUMN, _ROW = (Split(0, "tp"),), (Split(1, "tp"),)
+_COLUMN, _ROW = (Split(0, "ffn"),), (Split(1, "ffn"),)
 _HEADS, _HEADS_IN = (Split(0, "attn_tp"),), (Split(1, "attn_tp"),)
 _EXPERT_ROWS = lambda unit: (Split(0, "ep"), Split(1, "moe_tp", unit))     # noqa: E731  [E, I, ...]
 _EXPERT_COLS = lambda unit: (Split(0, "ep"), Split(2, "moe_tp", unit))     # noqa: E731  [E, D, I...]

@@ -22,11 +22,20 @@ N x L x H' x 512, H' = DCP x H/TP), and with DCP < TP the indexer's local scores
 positions (N x L x ceil(S / DCP)); the indexer's scores then leave the TP all-reduce. `dcp_traffic` is the
 analytic count of SGLang's exchange (queries all-gathered over the DCP group, partial outputs with their
 log-sum-exp reduce-scattered back), which the cookbook uses.
-A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n.
+With the all-to-all MoE (a2a_traffic; kestrel.layers.expert_dispatch), a token's stream stays with its DP group:
+attention, the embedding, dense MLPs and shared experts move over the group's TP / DP ranks for the group's own
+tokens, the routed experts' rows travel only between a token's owner and the ranks holding its experts
+(a2a_dispatch: the row and 8 k bytes of slot ids and weights per pair; a2a_combine: the returned row; a2a_counts:
+8 bytes to every other rank per MoE layer), each MoE layer all-gathers the routed sums of the group's shares
+(TP / DP > 1), and the forward ends with one dp_all_gather of the groups' hidden states. The pairs depend on the
+routing: `expected_a2a_pairs` is their mean under uniform routing, what the cookbook's roofline uses.
+A ring all-reduce moves 2 (n - 1) / n of its input per rank, an all-gather n - 1 parts, a reduce-scatter (n - 1) / n,
+an all-to-all only the rows sent to other ranks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -99,6 +108,42 @@ def _tp_traffic(config: ModelConfig, tp: int, attn_tp: int, whole: Forward, own:
             scores = len(config.mla_layers) * own.sequences * own.longest_new * own.longest_total * SCORE_BYTES
         logits = whole.logit_rows * -(-config.vocab_size // attn_tp) * LOGIT_BYTES
     return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
+
+
+def a2a_traffic(config: ModelConfig, tp: int, dp: int, groups: list[Forward], mine: int, act_bytes: int,
+                pairs_sent: int, pairs_returned: int) -> dict[str, int]:
+    """Bytes a rank of DP group `mine` contributes in one forward with the all-to-all MoE (module docstring), given
+    the (token, destination rank) pairs it dispatched to other ranks and the rows it returned to them, over all MoE
+    layers."""
+    attn_tp, own, hidden = tp // dp, groups[mine], config.hidden_size
+    moe = _moe_layers(config)
+    width = config.expert_dim if config.routed_expert_hidden_size is not None else hidden
+    out = {"a2a_dispatch": pairs_sent * (width * act_bytes + 8 * config.num_experts_per_token),
+           "a2a_combine": pairs_returned * width * act_bytes, "a2a_counts": moe * 8 * (tp - 1)}
+    if attn_tp > 1:
+        layers = config.num_hidden_layers          # every layer's attention, the embedding, the dense MLPs and
+        ffns = layers - moe + (moe if config.num_shared_experts else 0)     # the MoE layers' shared experts
+        rows = (layers + 1 + ffns) * own.tokens * hidden
+        scores = len(config.mla_layers) * own.sequences * own.longest_new * own.longest_total * SCORE_BYTES \
+            if config.has_indexer else 0
+        whole_rows = sum(g.logit_rows for g in groups)
+        out["all_reduce"] = rows * act_bytes + scores
+        out["all_gather"] = moe * -(-own.tokens // attn_tp) * width * act_bytes + \
+            whole_rows * -(-config.vocab_size // attn_tp) * LOGIT_BYTES
+    if dp > 1:
+        out["dp_all_gather"] = max(g.tokens for g in groups) * hidden * act_bytes
+    return out
+
+
+def expected_a2a_pairs(config: ModelConfig, tp: int, ep: int, redundant: int = 0) -> float:
+    """(token, destination rank) pairs per token and MoE layer that leave the token's owner, when the k experts are
+    chosen uniformly: each of the ep groups holds (E + R) / ep slots, reached with probability
+    1 - C(E - slots, k) / C(E, k) (redundant slots counted as further experts: an upper bound), and every rank of a
+    reached group gets the row; the owner's own rank is reached with the same probability."""
+    e, k = config.num_experts, config.num_experts_per_token
+    slots = min(e, (e + redundant) // ep)
+    reached = 1 - math.comb(e - slots, k) / math.comb(e, k)
+    return (tp - 1) * reached
 
 
 def pp_traffic(config: ModelConfig, next_layer: int | None, forward: Forward, act_bytes: int) -> dict[str, int]:

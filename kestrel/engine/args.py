@@ -56,6 +56,13 @@ HELP = {
     "ep_size": "expert parallelism over the TP ranks",
     "dp_size": "data parallelism: instances behind SGLang's router, or attention groups with --enable-dp-attention",
     "enable_dp_attention": "split attention and its caches into --dp-size groups of the TP ranks",
+    "moe_a2a_backend": "routed experts' tokens: none (every rank computes its experts' share of every token, one "
+                       "all-reduce) or torch (each token dispatched all-to-all to the ranks holding its experts, "
+                       "torch.distributed; the residual stream stays with its DP attention group)",
+    "enable_eplb": "expert-parallel load balancing: re-place the routed experts (and their redundant copies) by "
+                   "their measured load every --eplb-rebalance-num-iterations steps",
+    "ep_num_redundant_experts": "extra routed-expert slots over the EP ranks, holding copies of hot experts",
+    "eplb_rebalance_num_iterations": "steps between two EPLB rebalances (the load is counted over them)",
     "dcp_size": "decode context parallelism: ranks of a TP group splitting the MLA cache by position",
     "pp_size": "pipeline stages",
     "nnodes": "machines one instance runs on",
@@ -126,6 +133,10 @@ class EngineArgs:
     ep_size: int = 1                             # expert parallelism over the TP ranks
     dp_size: int = 1                             # data parallelism (with enable_dp_attention: attention only)
     enable_dp_attention: bool = False
+    moe_a2a_backend: str = "none"                # none (all-reduce) or torch (all-to-all dispatch and combine)
+    enable_eplb: bool = False                    # rebalance the routed experts by their load
+    ep_num_redundant_experts: int = 0            # extra expert slots (copies of hot experts)
+    eplb_rebalance_num_iterations: int = 1000    # steps between rebalances
     dcp_size: int = 1                            # decode context parallelism of the MLA cache
     pp_size: int = 1                             # pipeline stages
     nnodes: int = 1
@@ -208,6 +219,10 @@ class EngineArgs:
             (self.ep_size >= 1, "ep_size", "at least 1"),
             (self.dp_size >= 1, "dp_size", "at least 1"),
             (self.dcp_size >= 1, "dcp_size", "at least 1"),
+            (self.moe_a2a_backend in ("none", "torch"), "moe_a2a_backend", "none or torch"),
+            (self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "at least 0"),
+            (self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "at least 1"),
+            (not self.enable_eplb or self.ep_size > 1, "enable_eplb", "set only with --ep-size above 1"),
             (self.pp_size >= 1, "pp_size", "at least 1"),
             (self.nnodes >= 1, "nnodes", "at least 1"),
             (0 <= self.node_rank < self.nnodes, "node_rank", "in [0, nnodes)"),

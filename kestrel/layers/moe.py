@@ -7,7 +7,10 @@ back; shared experts read x itself.
 Under tensor parallelism the dense MLP and the shared experts split their intermediate width; routed experts are
 split by expert over the EP groups and by intermediate width inside each group (kestrel.distributed.layout). The
 router runs whole on every rank (same weights, same input: the same selection everywhere); each rank computes its
-experts' share of every token's sum, and one all-reduce combines the routed and shared partial outputs.
+experts' share of every token's sum, and one all-reduce combines the routed and shared partial outputs. With the
+all-to-all MoE (layout.moe_a2a) each rank routes its own share of its attention group's tokens and dispatches them
+to the experts' ranks (kestrel.layers.expert_dispatch); the shared experts and dense MLPs split over the attention
+group.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..distributed.layout import partition
+from ..distributed.eplb import initial_placement
 from ..distributed.parallel import SINGLE, Parallel
 from ..ops import backend
 from ..ops.torch.moe import ExpertWeights
 from .activation import glu_activation
+from .expert_dispatch import dispatch_and_combine, own_rows
 from . import linear as linear_layers
 from .linear import Linear, LinearGroup, pack_onednn
 from .norm import RMSNorm
@@ -112,16 +116,23 @@ class RoutedExperts(nn.Module):
     `--moe-mxfp8-activations`) the GEMM inputs are rounded to MXFP8, as the family's quantization-aware training did
     (W4A8).
 
-    With expert parallelism the rank holds experts [first_expert, first_expert + E/ep) and computes only the
-    token-expert pairs that chose them.
+    With expert parallelism the experts are held in slots: (E + R) / ep per EP rank (R redundant slots, EPLB's), the
+    rank's slots [first_slot, first_slot + slots) of E + R in all. `placement` [E + R] names the (logical) expert
+    each slot holds, the same on every rank; it starts as `eplb.initial_placement` (each rank's contiguous share of
+    the experts, its redundant slots copying them) and kestrel.layers.expert_balance moves it. `route` turns the
+    router's expert ids into slots (a token's replicas chosen round-robin), and the rank computes only the
+    token-slot pairs of its own slots. `load` [E] counts the token-expert pairs this rank routed, `computed` the
+    pairs it computed, since the balancer last read them.
     """
 
     def __init__(self, config: ModelConfig, dim: int, par: Parallel = SINGLE):
         super().__init__()
         rank, parts = par.layout.axis("ep")
         self.num_experts = config.num_experts
-        self.first_expert, end = partition(config.num_experts, parts, rank)
-        self.local_experts = end - self.first_expert
+        self.slots = par.layout.slots_per_rank(config.num_experts)
+        self.first_slot = rank * self.slots
+        with torch.device("cpu"):       # host-side tables, whatever device the model is built on
+            self.set_placement(initial_placement(self.num_experts, parts, self.slots))
         self.activation = glu_activation(config)
         self.mxfp4 = config.experts_mxfp4
         self.mxfp8_activations = False
@@ -182,17 +193,64 @@ class RoutedExperts(nn.Module):
         return ExpertWeights(self.w1_packed, self.w3_packed, self.w2_packed, self.w1_scale, self.w3_scale,
                              self.w2_scale)
 
-    def forward(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z [T, D], ids/weights [T, k] (global expert ids) -> sum_k weights * expert_k(z) over this rank's
-        experts, [T, D] in z's dtype."""
+    def forward(self, z: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """z [T, D], slots/weights [T, k] (slot ids, `route`'s) -> sum_k weights * expert_k(z) over this rank's
+        slots, [T, D] in z's dtype."""
         op = backend.get_op("moe_experts", z.device)
-        if self.first_expert == 0 and self.local_experts == self.num_experts:
-            return op(z, ids, weights, self.weights(), self.activation, self.mxfp8_activations)
-        local = ids - self.first_expert
-        token, k = ((local >= 0) & (local < self.local_experts)).nonzero(as_tuple=True)     # this rank's pairs
+        if self.slots == self.placement.numel():
+            return op(z, slots, weights, self.weights(), self.activation, self.mxfp8_activations)
+        local = slots - self.first_slot
+        token, k = ((local >= 0) & (local < self.slots)).nonzero(as_tuple=True)     # this rank's pairs
+        self.computed += token.numel()
         pairs = op(z[token], local[token, k].unsqueeze(1), weights[token, k].unsqueeze(1), self.weights(),
                    self.activation, self.mxfp8_activations)
         return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, token, pairs.float()).to(z.dtype)
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor held per slot [slots, ...]: the weights as loaded and the dense copies when held."""
+        names = [f"{w}_{part}" for w in ("w1", "w3", "w2") for part in ("packed", "scale")] if self.mxfp4 \
+            else ["w1", "w3", "w2"]
+        if self.mxfp4 and self.w13_dense is not None:
+            names += ["w13_dense", "w2_dense"]
+        return {name: getattr(self, name) for name in names}
+
+    def fill_redundant_slots(self) -> None:
+        """Give a freshly loaded rank (its share of the experts, E / ep rows) its redundant slots, as the initial
+        placement says: copies of its own experts."""
+        own = self.placement[self.first_slot:self.first_slot + self.slots]
+        for tensor in self.slot_tensors().values():
+            if tensor.shape[0] != self.slots:
+                tensor.data = tensor.data[(own - own[0]).to(tensor.device)]
+
+    def route(self, ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
+        """The router's expert ids [T, k] -> the slots that compute them [T, k]: an expert's replicas in turn, by
+        the pair's place (token t + salt + k). With expert parallelism, counts the pairs in `load`."""
+        if self.slots == self.placement.numel():
+            return ids
+        if self.load.device != ids.device:
+            self.load, self._replicas, self._replica_count = (t.to(ids.device) for t in
+                                                              (self.load, self._replicas, self._replica_count))
+        self.load += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        if self._identity:
+            return ids
+        turn = torch.arange(ids.shape[0], device=ids.device)[:, None] + salt + \
+            torch.arange(ids.shape[1], device=ids.device)
+        return self._replicas[ids, turn % self._replica_count[ids]]
+
+    def set_placement(self, placement: torch.Tensor) -> None:
+        """Hold `placement` [E + R] (CPU) from now on (the caller has put each slot's weights in place); the
+        counts start again. The replica table: `_replicas` [E, most replicas] slot ids (padded with the last),
+        `_replica_count` [E]."""
+        self.placement = placement.cpu()
+        count = torch.bincount(self.placement, minlength=self.num_experts)
+        order = torch.sort(self.placement, stable=True).indices        # slots grouped by expert, in slot order
+        start = torch.cumsum(count, 0) - count
+        column = torch.arange(int(count.max()))
+        self._replicas = order[start[:, None] + torch.minimum(column, count[:, None] - 1)]
+        self._replica_count = count
+        self._identity = bool((self.placement == torch.arange(self.placement.numel())).all())
+        self.load = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.computed = 0
 
 
 class MoE(nn.Module):
@@ -218,13 +276,37 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        if self.par.layout.moe_a2a:
+            return self._dispatched(x)
         ids, weights = self.gate(x)
+        slots = self.experts.route(ids)
         if not self.latent:
             shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
-            y = self.experts(x, ids, weights)
+            y = self.experts(x, slots, weights)
             return self.par.all_reduce(y if shared is None else y + shared)
         z, shared = self._latent_and_shared(x)
-        y, shared = self._sum_over_ranks(self.experts(z, ids, weights), shared)
+        y, shared = self._sum_over_ranks(self.experts(z, slots, weights), shared)
+        return self._project_up(y, shared)
+
+    def _dispatched(self, x: torch.Tensor) -> torch.Tensor:
+        """The all-to-all MoE (kestrel.layers.expert_dispatch) on x [T, hidden], this rank's attention group's
+        tokens: its own share is routed and dispatched, the group's shares gathered, the shared experts computed
+        over the attention group."""
+        (lo, hi), shares = own_rows(x.shape[0], self.par)
+        ids, weights = self.gate(x[lo:hi])
+        slots = self.experts.route(ids, salt=lo)
+        if self.latent:
+            z, shared = self._latent_and_shared(x)
+            z = z[lo:hi]
+        else:
+            z, shared = x[lo:hi], self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        y = self.par.ffn.gather_rows(dispatch_and_combine(self.experts, z, slots, weights, self.par), shares)
+        if shared is not None:
+            shared = self.par.ffn.all_reduce(shared.contiguous())
+        return (y if shared is None else y + shared) if not self.latent else self._project_up(y, shared)
+
+    def _project_up(self, y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The latent routed sum y [T, latent] (whole) normed and projected up, plus the shared experts' output."""
         if hasattr(self, "routed_expert_norm"):
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)

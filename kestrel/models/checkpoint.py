@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from ..config import ModelConfig, is_k3_schema, load_config, to_hf_dict
 from ..distributed.parallel import SINGLE, Parallel
 from ..distributed.sharding import local_slices, shard_model_
+from ..layers.moe import RoutedExperts
 from .kimi import KimiForCausalLM
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch
                         target = targets[name]
                         slices = local_slices(target.param, full_shapes[target.param], par.layout)
                         _load_slice(f, name, params[target.param], target, slices, config)
+    if par.layout.redundant_experts:
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                module.fill_redundant_slots()
     return model.eval()
 
 

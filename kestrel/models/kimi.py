@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(layer_id):
             self.block_sparse_moe = MoE(config, par)
         else:
-            self.mlp = GatedMLP(config, d, config.intermediate_size, par)
+            self.mlp = GatedMLP(config, d, config.intermediate_size, par.ffn)
         if attn_res:
             self.self_attention_res_norm = RMSNorm(d, eps)
             self.self_attention_res_proj = Linear(d, 1, bias=False)
@@ -102,9 +102,10 @@ class DecoderLayer(nn.Module):
 
     def attention(self, h: torch.Tensor, batch: ForwardBatch, cache: HybridCache | None) -> torch.Tensor:
         """The attention sublayer on its normed input h [T, D] -> [T, D]. Under DP attention h holds every DP
-        group's tokens: this rank's group attends its own, and the groups' outputs are gathered."""
-        if batch.dp_tokens is None:
-            return self.self_attn(h, batch, cache)
+        group's tokens: this rank's group attends its own, and the groups' outputs are gathered; with the
+        all-to-all MoE h holds the group's tokens only."""
+        if batch.dp_tokens is None or self.par.layout.moe_a2a:
+            return self.self_attn(h, batch, cache) if h.shape[0] else h
         first = sum(batch.dp_tokens[:self.par.layout.dp_rank])
         mine = h[first:first + batch.num_tokens]
         return self.par.dp_gather(self.self_attn(mine, batch, cache) if batch.num_tokens else mine, batch.dp_tokens)
@@ -159,6 +160,7 @@ class KimiTextModel(nn.Module):
     def __init__(self, config: ModelConfig, par: Parallel = SINGLE, embed_last_stage: bool = False):
         super().__init__()
         self.config = config
+        self.par = par
         layout = par.layout
         self.stage = layout.stage_layers(config.num_hidden_layers)
         self.first_stage, self.last_stage = layout.first_stage, layout.last_stage
@@ -202,10 +204,16 @@ class KimiTextModel(nn.Module):
         if context is not None:
             features = {} if features is None else features
             features.update({i: None for i in context.target_layer_ids if i not in features})
+        grouped = batch.dp_tokens is not None and self.par.layout.moe_a2a    # the stream stays with its group
+        if grouped:
+            first = sum(batch.dp_tokens[:self.par.layout.dp_rank])
+            input_ids = input_ids[first:first + batch.num_tokens]
         stream = self.start(input_ids)
         if features is not None and -1 in features:
             features[-1] = stream[0]
         hidden = self.finish(self.run_layers(stream, batch, cache, features))
+        if grouped:
+            hidden = self.par.dp_gather(hidden, batch.dp_tokens)
         last = self.config.num_hidden_layers - 1
         if features is not None and last in features:
             features[last] = self.norm(hidden)

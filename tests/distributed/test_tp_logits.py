@@ -23,14 +23,14 @@ from kestrel.cookbook.calculator import CacheSettings
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.planner import PlanRequest, plan
 from kestrel.distributed.launch import RankSpec, Workers
-from kestrel.distributed.traffic import dp_attention_traffic, kestrel_dcp_traffic, pp_traffic, tp_traffic
+from kestrel.distributed.traffic import a2a_traffic, dp_attention_traffic, kestrel_dcp_traffic, pp_traffic, tp_traffic
 from kestrel.engine.cache.planner import device_memory
 from kestrel.models.checkpoint import build_model, load_model, save_model
 from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
 from kestrel.distributed.layout import ParallelLayout
 from kestrel.engine.model_runner import Save
-from tp_script import FORK_AT, SEQUENCES, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
+from tp_script import FORK_AT, SEQUENCES, a2a_pairs, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 """float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
@@ -39,11 +39,14 @@ MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXF
           "kimi-linear": ("kimi-linear-tiny", {}),
           "k3.1-wide": ("k3.1-tiny", {"moe_intermediate_size": 128, "linear_attn_config": {"num_heads": 4},
                                       "dsa_config": {"index_n_heads": 4}})}       # every width splits 4 ways
-CASES = [("k3.1", 2, 1, 1, 1, 1), ("k3.1", 2, 2, 1, 1, 1), ("kimi-linear", 2, 1, 1, 1, 1),
-         ("kimi-linear", 2, 2, 1, 1, 1), ("k3.1", 1, 1, 2, 1, 1), ("kimi-linear", 1, 1, 2, 1, 1),
-         ("k3.1", 2, 1, 2, 1, 1), ("k3.1", 2, 1, 1, 2, 1), ("kimi-linear", 2, 1, 1, 2, 1),
-         ("k3.1-wide", 4, 1, 1, 2, 1), ("k3.1", 2, 1, 1, 1, 2), ("kimi-linear", 2, 2, 1, 1, 2),
-         ("k3.1-wide", 4, 2, 1, 1, 2)]    # (model, tp, ep, pp, dcp, dp: DP attention groups)
+CASES = [("k3.1", 2, 1, 1, 1, 1, 0), ("k3.1", 2, 2, 1, 1, 1, 0), ("kimi-linear", 2, 1, 1, 1, 1, 0),
+         ("kimi-linear", 2, 2, 1, 1, 1, 0), ("k3.1", 1, 1, 2, 1, 1, 0), ("kimi-linear", 1, 1, 2, 1, 1, 0),
+         ("k3.1", 2, 1, 2, 1, 1, 0), ("k3.1", 2, 1, 1, 2, 1, 0), ("kimi-linear", 2, 1, 1, 2, 1, 0),
+         ("k3.1-wide", 4, 1, 1, 2, 1, 0), ("k3.1", 2, 1, 1, 1, 2, 0), ("kimi-linear", 2, 2, 1, 1, 2, 0),
+         ("k3.1-wide", 4, 2, 1, 1, 2, 0),
+         ("k3.1", 2, 2, 1, 1, 1, 1), ("k3.1-wide", 4, 4, 1, 1, 4, 1), ("kimi-linear", 4, 4, 1, 1, 4, 1),
+         ("k3.1-wide", 4, 2, 1, 1, 2, 1)]
+"""(model, tp, ep, pp, dcp, dp: DP attention groups, a2a: the all-to-all MoE)"""
 RANK_TIMEOUT_S = 240
 POOL_BUDGET = 256 * 2**20
 """Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
@@ -74,15 +77,15 @@ def pool_fraction(ranks: int) -> float:
     return POOL_BUDGET / (device_memory(torch.device("cpu")) // ranks)
 
 
-def case_name(model: str, tp: int, ep: int, pp: int, dcp: int, dp: int) -> str:
-    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}-dp{dp}"
+def case_name(model: str, tp: int, ep: int, pp: int, dcp: int, dp: int, a2a: int) -> str:
+    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}-dp{dp}" + ("-a2a" if a2a else "")
 
 
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
     """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks)."""
     results = {}
-    for world in sorted({tp * pp for _, tp, _, pp, _, _ in CASES}):
+    for world in sorted({tp * pp for _, tp, _, pp, _, _, _ in CASES}):
         out = tmp_path_factory.mktemp("ranks") / "logits.pt"
         cases = [(case_name(*case), folders[case[0]], *case[1:]) for case in CASES if case[1] * case[3] == world]
         port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
@@ -99,11 +102,11 @@ def rank_results(folders, tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", CASES)
-def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp, dp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", CASES)
+def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
     single = load_model(folders[model], torch.float32)
     expected = oracle(single)
-    got = rank_results[case_name(model, tp, ep, pp, dcp, dp)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]
     for name in SEQUENCES:
         first = FORK_AT if name == "D" else 0          # the fork's own tokens (its prompt is B's)
         torch.testing.assert_close(got[name], expected[name][first:], **TOLERANCE,
@@ -112,29 +115,30 @@ def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, 
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", [case for case in CASES if case[5] == 1])   # PD refuses DP
-def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp, dp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", [case for case in CASES if case[5] == 1])   # PD refuses DP
+def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
     """Sequence A's state and pages, read on every rank and gathered (kestrel.engine.cache.shards), equal what one
     process's caches hold after the same steps: what a PD handoff sends, in any layout."""
     single = load_model(folders[model], torch.float32)
     _, runner = run_script(single, ParallelLayout())
     expected = runner.read(Save([[]], handoff_parts_of_a()))
-    got = rank_results[case_name(model, tp, ep, pp, dcp, dp)]["handoff"]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]["handoff"]
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", CASES)
-def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp, dp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", CASES)
+def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
     """`kestrel plan --engine kestrel` plans each stage's rank 0, the heaviest of its stage (uneven splits give
     the first rank more): the heaviest rank's weights, and the pools all ranks agree on; each rank allocates them
     for its own stage's layers only (under DP attention, for its DP group's sequences)."""
     planned = plan(PlanRequest(model=folders[model], hardware="cpu", dtype="fp32",
-                               layout=Layout(tp=tp, dp=dp, ep=ep, pp=pp, dcp=dcp), cache=CacheSettings(kv_dtype="fp32"),
+                               layout=Layout(tp=tp, dp=dp, ep=ep, pp=pp, dcp=dcp, a2a=bool(a2a)),
+                               cache=CacheSettings(kv_dtype="fp32"),
                                mem_fraction=pool_fraction(tp * pp), ratio=RATIO, engine="kestrel", batches=(1,),
                                compare_devices=False))
-    ranks = rank_results[case_name(model, tp, ep, pp, dcp, dp)]["pools"]
+    ranks = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]["pools"]
     assert max(rank["weight_bytes"] for rank in ranks) == planned.weight_bytes_per_rank_total
     slots, kv_tokens = planned.pools.state_slots, planned.pools.kv_tokens
     for rank in ranks:
@@ -146,13 +150,20 @@ def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, mod
     assert sum(len(rank["kv_tokens"]) for rank in first_tp_ranks) == len(config.mla_layers)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp", CASES)
-def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp, dp):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", CASES)
+def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
     """Parallel.bytes_sent (one stage: the TP collectives; rank 0's, of DP group 0) and the stage link's bytes
     (rank 0's stream to the second stage) over the scripted steps equal kestrel/distributed/traffic.py (float32
     activations)."""
     config = load_config(folders[model])
-    got = rank_results[case_name(model, tp, ep, pp, dcp, dp)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]
+    if a2a:
+        layout = ParallelLayout(tp, ep, 0, pp, dcp, dp, True)
+        expected = Counter()
+        for groups, (sent, returned) in zip(forwards(dp), a2a_pairs(load_model(folders[model], torch.float32), layout)):
+            expected.update(a2a_traffic(config, tp, dp, groups, 0, 4, sent, returned))
+        assert got["bytes_sent"] == {kind: n for kind, n in expected.items() if n}
+        return
     if pp == 1:
         expected = Counter()
         for groups in forwards(dp):

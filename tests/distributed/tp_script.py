@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.distributed.layout import ParallelLayout
+from kestrel.distributed.layout import ParallelLayout, partition
 from kestrel.distributed.traffic import Forward
 from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.cache.shards import gather_entry
@@ -86,6 +86,63 @@ def forwards(dp: int = 1) -> list[list[Forward]]:
     return [[shape([c for c in chunks if group_of(c[0], dp) == g]) for g in range(dp)] for chunks in CHUNKS]
 
 
+TIE_GAP = 5e-5
+"""The least gap between a token's k-th and (k+1)-th routing scores for which a rank's choice is that of one
+process: the ranks' scores differ by float32 reordering upstream (the logits by at most 2e-5, test_tp_logits), and
+the sigmoid halves what it is given; the test models' least gap is 1.3e-4."""
+
+
+@torch.inference_mode()
+def routing(model: KimiForCausalLM) -> dict[str, list[torch.Tensor]]:
+    """Each sequence's chosen experts at every position, per MoE layer [len, k], from one plain forward of the
+    single-process model; asserts that no choice is within TIE_GAP of a tie (so a rank's float32 rounding chooses
+    the same experts)."""
+    gates = [layer.block_sparse_moe.gate for layer in model.model.decoder_layers if hasattr(layer, "block_sparse_moe")]
+    seen: list[torch.Tensor] = []
+
+    def record(gate, args, out):
+        choice = torch.sigmoid(args[0].float() @ gate.weight.float().t()) + gate.e_score_correction_bias
+        best = choice.topk(gate.top_k + 1, dim=-1).values
+        assert (best[:, -2] - best[:, -1]).min() > TIE_GAP, "a near tie in the routing: choose other test weights"
+        seen.append(out[0])
+
+    hooks = [gate.register_forward_hook(record) for gate in gates]
+    try:
+        out = {}
+        for name, ids in SEQUENCES.items():
+            seen.clear()
+            model(torch.tensor(ids), ForwardBatch.build([len(ids)]))
+            out[name] = list(seen)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out
+
+
+def a2a_pairs(model: KimiForCausalLM, layout: ParallelLayout) -> list[tuple[int, int]]:
+    """Per scripted step, the (token, rank) pairs layout.rank dispatches to other ranks and the rows it returns to
+    them over every MoE layer, as kestrel.layers.expert_dispatch routes them (no redundant experts)."""
+    chosen = routing(model)
+    dp, attn_tp, moe_tp = layout.dp_size, layout.attn_tp_size, layout.moe_tp_size
+    per_group = model.config.num_experts // layout.ep_size
+    out = []
+    for chunks in step_chunks(dp):
+        sent = returned = 0
+        for layer in range(len(next(iter(chosen.values())))):
+            for g in range(dp):
+                tokens = [chosen[name][layer][i] for name, start, length in chunks if group_of(name, dp) == g
+                          for i in range(start, start + length)]
+                for a in range(attn_tp):
+                    lo, hi = partition(len(tokens), attn_tp, a)
+                    owner = g * attn_tp + a
+                    for ids in tokens[lo:hi]:
+                        ranks = {e // per_group * moe_tp + m for e in ids.tolist() for m in range(moe_tp)}
+                        sent += owner == layout.tp_rank and len(ranks - {owner})
+                        returned += owner != layout.tp_rank and layout.tp_rank in ranks
+        out.append((sent, returned))
+    return out
+
+
 def handoff_parts_of_a() -> list:
     """Sequence A's state slot and pages (a PD handoff's parts) after the script."""
     return handoff_parts(SLOTS["A"], [ROW * SLOTS["A"] + i for i in range(-(-len(A) // PAGE))])
@@ -138,9 +195,10 @@ def allocated_pools(args, par, control) -> dict[str, int]:
             "kv_tokens": [layer.latent.values.shape[0] for layer in shard.cache.mla]}    # per MLA layer
 
 
-def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int]], out: str, pool_args: dict) -> None:
+def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int, bool]], out: str, pool_args: dict) -> None:
     """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size, dcp_size,
-    dp_size with DP attention), this rank's shard runs the script (and the MTP layer, in one stage), its share of
+    dp_size with DP attention, the all-to-all MoE), this rank's shard runs the script (and the MTP layer, in one
+    stage), its share of
     A's state is gathered (not under DP attention, which PD refuses), then the engine loads the case (EngineArgs of
     pool_args) and allocates its pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
@@ -154,8 +212,8 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int]], out: 
     _, control = init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"),
                                      timeout_s=120)
     results = {}
-    for name, folder, tp, ep, pp, dcp, dp in cases:
-        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp, dp)
+    for name, folder, tp, ep, pp, dcp, dp, a2a in cases:
+        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp, dp, a2a)
         par = Parallel(layout, tp_group(layout), dcp_groups=dcp_groups(layout), dp_groups=dp_groups(layout))
         model = load_model(folder, torch.float32, "cpu", par)
         results[name], runner = run_script(model, layout)
@@ -167,7 +225,8 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int]], out: 
         if model.config.num_nextn_predict_layers and pp == 1:
             results[name]["mtp"] = mtp_logits(model)
         pools = allocated_pools(EngineArgs(model=folder, tp_size=tp, ep_size=ep, pp_size=pp, dcp_size=dcp,
-                                           dp_size=dp, enable_dp_attention=dp > 1, **pool_args), par, control)
+                                           dp_size=dp, enable_dp_attention=dp > 1,
+                                           moe_a2a_backend="torch" if a2a else "none", **pool_args), par, control)
         gathered = [None] * spec.world_size
         dist.all_gather_object(gathered, pools, group=control)
         results[name]["pools"] = gathered

@@ -232,6 +232,10 @@ class EngineArgs:
         for ok, name, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
+        if (self.moe_a2a_backend != "none" or self.enable_eplb) and (self.enable_torch_compile
+                                                                     or self.enable_background_compile):
+            raise ValueError("the all-to-all MoE and EPLB run eagerly (their token counts change every step); drop "
+                             "--enable-torch-compile / --enable-background-compile or them.")
         if (self.speculative_algorithm == "DFLASH" and (self.pp_size > 1 or self.dcp_size > 1
                                                         or self.enable_dp_attention)
                 and is_dflash_draft(self.speculative_draft_model_path)):

@@ -44,6 +44,9 @@ class EngineStats:
     spec_accepted_histogram: tuple[int, ...] = ()    # [j]: verifications that accepted j draft tokens
     spec_draft_seconds: float = 0.0
     spec_verify_seconds: float = 0.0
+    expert_rank_load: tuple[int, ...] = ()    # expert parallelism: token-expert pairs each EP rank computed in the
+    expert_rank_imbalance: float = 1.0         # last window (rank 0's stage), and their max / mean
+    eplb_rebalances: int = 0
 
 
 class RequestFailed(RuntimeError):
@@ -94,6 +97,10 @@ class AsyncEngine:
             cache_pages=sum(c.num_pages for c in caches), cache_snapshots=snapshots)
         spec = self.engine.spec_stats
         states = [g.state_pool for g in groups]
+        balancer = self.engine.runner.balancer
+        if balancer is not None:
+            cached |= dict(expert_rank_load=tuple(balancer.rank_load), expert_rank_imbalance=balancer.imbalance,
+                           eplb_rebalances=balancer.rebalances)
         return EngineStats(spec_verifications=spec.verifications, spec_draft_tokens=spec.draft_tokens,
                            spec_accepted_tokens=spec.accepted_tokens,
                            spec_accepted_histogram=tuple(spec.accepted_histogram),

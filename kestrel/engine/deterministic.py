@@ -42,6 +42,8 @@ def refusal(args: EngineArgs) -> str | None:
         ("--moe-onednn-experts", args.moe_onednn_experts),
         (f"--dp-size {args.dp_size}", args.dp_size > 1),
         (f"--dcp-size {args.dcp_size}", args.dcp_size > 1),
+        (f"--moe-a2a-backend {args.moe_a2a_backend}", args.moe_a2a_backend != "none"),
+        ("--enable-eplb", args.enable_eplb),
         ("a triton ops backend", "triton" in (args.attention_backend, args.moe_backend, args.kda_backend,
                                               args.norm_backend)),
     ) if on]

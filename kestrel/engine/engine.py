@@ -142,7 +142,7 @@ class LLMEngine:
             raise
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:],
                                   prefill_compile="inductor" if compiled and not self.ranks else None,
-                                  drafter=self.drafter, background=self.background)
+                                  drafter=self.drafter, background=self.background, balancer=shard.balancer)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps
         self._arrivals = itertools.count()

@@ -30,6 +30,7 @@ from .cache.hicache import Entry
 from .cache.shards import gather_entry, shard_entry
 from .cache.page_table import PageTable
 from .decode_graphs import DecodeGraphs
+from .expert_balance import ExpertBalancer
 from .scheduler import ScheduledChunk
 from .speculative.block import BlockDrafter
 from .speculative.dflash import DFlashDrafter
@@ -117,8 +118,9 @@ class ModelRunner:
                  decode_graphs: DecodeGraphs | None = None, peers: Peers | None = None,
                  other_groups: list[tuple[PageTable, DeviceOps]] = (), prefill_compile: str | None = None,
                  drafter: MTPDrafter | BlockDrafter | DFlashDrafter | StagedDrafter | None = None,
-                 background: BackgroundCompiler | None = None):
+                 background: BackgroundCompiler | None = None, balancer: ExpertBalancer | None = None):
         self.model = model
+        self.balancer = balancer
         self.cache = cache
         self.page_table = page_table
         self.ops = ops
@@ -210,10 +212,16 @@ class ModelRunner:
         self._apply_ops(save.ops[self.model.par.layout.dp_rank])
         return read_parts(self.cache, save.parts)
 
-    @torch.inference_mode()
     def execute(self, step: Step) -> list[torch.Tensor | None]:
         """Run step on this rank's model (see run for what comes back; under pipeline parallelism only rank 0
-        gets logits)."""
+        gets logits); then the expert balancer's turn, when there is one."""
+        out = self._execute(step)
+        if self.balancer is not None:
+            self.balancer.after_step()
+        return out
+
+    @torch.inference_mode()
+    def _execute(self, step: Step) -> list[torch.Tensor | None]:
         self._apply_changes(step)
         if self.link is not None:
             return self._execute_stages(step)

@@ -40,6 +40,7 @@ from ..ops import batch_invariant
 from . import deterministic
 from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
+from .expert_balance import ExpertBalancer
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
 from .handoff import HandoffLayout
@@ -69,6 +70,7 @@ class RankShard:
     draft_cache: HybridCache | None = None                    # its weights (and caches) counted in the plan
     handoff_layout: HandoffLayout | None = None   # one process's caches, as PD handoffs hold them
     hot_head: HotHead | None = None   # a model drafter's LM head cut to --speculative-token-map (in the plan)
+    balancer: ExpertBalancer | None = None    # with expert parallelism: the expert load, and EPLB
 
 
 def _lay_out_linears(model: nn.Module, compiled: bool, pack: bool = True) -> int:
@@ -162,7 +164,10 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     handoff_layout = HandoffLayout(HybridCache.allocate(
         config, 1, 1, memory_plan.page_size, dtype, ssm_dtype, kv_dtype, "meta", int(context == "mtp"), 1,
         draft_layers, draft_width), len(config.mla_layers), context)
-    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_layout, hot_head)
+    balancer = ExpertBalancer(model, par, args.eplb_rebalance_num_iterations, args.enable_eplb) \
+        if layout.ep_size > 1 else None
+    return RankShard(model, memory_plan, cache, page_table, graphs, draft, draft_cache, handoff_layout, hot_head,
+                     balancer)
 
 
 def _bytes_by_address(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -342,7 +347,7 @@ def run_rank(spec: RankSpec, args: EngineArgs) -> None:
         par, control = init_process_groups(spec, layout, device)
         shard = load_shard(args, par, device, control)
         runner = ModelRunner(shard.model, shard.cache, shard.page_table, DeviceOps(),
-                             drafter=model_drafter(args, shard))
+                             drafter=model_drafter(args, shard), balancer=shard.balancer)
         channel = StepChannel(control)
         with batch_invariant.invariant() if args.enable_deterministic_inference else contextlib.nullcontext():
             while (message := channel.receive()) is not None:

@@ -207,12 +207,18 @@ class RoutedExperts(nn.Module):
         return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, token, pairs.float()).to(z.dtype)
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor held per slot [slots, ...]: the weights as loaded and the dense copies when held."""
+        """The weights as loaded, held per slot [slots, ...] (not the copies made from them: refresh_copies)."""
         names = [f"{w}_{part}" for w in ("w1", "w3", "w2") for part in ("packed", "scale")] if self.mxfp4 \
             else ["w1", "w3", "w2"]
-        if self.mxfp4 and self.w13_dense is not None:
-            names += ["w13_dense", "w2_dense"]
         return {name: getattr(self, name) for name in names}
+
+    def refresh_copies(self) -> None:
+        """Make the dense and oneDNN copies again from the slots' weights (after they changed)."""
+        packed = self.onednn is not None
+        if self.mxfp4 and self.w13_dense is not None:
+            self.hold_dense_copy(self.w13_dense.dtype)
+        if packed:
+            self.pack_onednn()
 
     def fill_redundant_slots(self) -> None:
         """Give a freshly loaded rank (its share of the experts, E / ep rows) its redundant slots, as the initial

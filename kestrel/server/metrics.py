@@ -53,16 +53,25 @@ class Metrics:
             "kestrel_spec_draft_seconds": ("Seconds spent drafting since start", lambda s: s.spec_draft_seconds),
             "kestrel_spec_verify_seconds": ("Seconds spent in verification forwards since start",
                                             lambda s: s.spec_verify_seconds),
+            "kestrel_expert_load_imbalance": ("Expert parallelism: max / mean of the EP ranks' token-expert pairs "
+                                              "over the last --eplb-rebalance-num-iterations steps",
+                                              lambda s: s.expert_rank_imbalance),
+            "kestrel_eplb_rebalances": ("EPLB rebalances since start", lambda s: s.eplb_rebalances),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine.stats()))
         self.engine = engine
         self.spec_histogram = Gauge("kestrel_spec_accepted_verifications", "Verification steps by draft tokens "
                                     "accepted", ["accepted"], registry=r)
+        self.expert_load = Gauge("kestrel_expert_rank_tokens", "Expert parallelism: token-expert pairs each EP rank "
+                                 "computed over the last --eplb-rebalance-num-iterations steps", ["ep_rank"], registry=r)
 
     def render(self) -> bytes:
-        for accepted, count in enumerate(self.engine.stats().spec_accepted_histogram):
+        stats = self.engine.stats()
+        for accepted, count in enumerate(stats.spec_accepted_histogram):
             self.spec_histogram.labels(str(accepted)).set(count)
+        for rank, pairs in enumerate(stats.expert_rank_load):
+            self.expert_load.labels(str(rank)).set(pairs)
         return generate_latest(self.registry)
 
 

@@ -22,6 +22,7 @@ from kestrel.config import load_config, parse_config
 from kestrel.cookbook.calculator import CacheSettings
 from kestrel.cookbook.layout import Layout
 from kestrel.cookbook.planner import PlanRequest, plan
+from kestrel.distributed import eplb
 from kestrel.distributed.launch import RankSpec, Workers
 from kestrel.distributed.traffic import a2a_traffic, dp_attention_traffic, kestrel_dcp_traffic, pp_traffic, tp_traffic
 from kestrel.engine.cache.planner import device_memory
@@ -30,7 +31,7 @@ from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
 from kestrel.distributed.layout import ParallelLayout
 from kestrel.engine.model_runner import Save
-from tp_script import FORK_AT, SEQUENCES, a2a_pairs, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
+from tp_script import CHUNKS, FORK_AT, SEQUENCES, a2a_pairs, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 """float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
@@ -38,15 +39,23 @@ absolute; dropping the indexer's score reduction moves logits by 2.1)."""
 MODELS = {"k3.1": ("k3.1-tiny", {"moe_intermediate_size": 64}),        # two MXFP4 blocks: one per rank at TP2
           "kimi-linear": ("kimi-linear-tiny", {}),
           "k3.1-wide": ("k3.1-tiny", {"moe_intermediate_size": 128, "linear_attn_config": {"num_heads": 4},
-                                      "dsa_config": {"index_n_heads": 4}})}       # every width splits 4 ways
-CASES = [("k3.1", 2, 1, 1, 1, 1, 0), ("k3.1", 2, 2, 1, 1, 1, 0), ("kimi-linear", 2, 1, 1, 1, 1, 0),
-         ("kimi-linear", 2, 2, 1, 1, 1, 0), ("k3.1", 1, 1, 2, 1, 1, 0), ("kimi-linear", 1, 1, 2, 1, 1, 0),
-         ("k3.1", 2, 1, 2, 1, 1, 0), ("k3.1", 2, 1, 1, 2, 1, 0), ("kimi-linear", 2, 1, 1, 2, 1, 0),
-         ("k3.1-wide", 4, 1, 1, 2, 1, 0), ("k3.1", 2, 1, 1, 1, 2, 0), ("kimi-linear", 2, 2, 1, 1, 2, 0),
-         ("k3.1-wide", 4, 2, 1, 1, 2, 0),
-         ("k3.1", 2, 2, 1, 1, 1, 1), ("k3.1-wide", 4, 4, 1, 1, 4, 1), ("kimi-linear", 4, 4, 1, 1, 4, 1),
-         ("k3.1-wide", 4, 2, 1, 1, 2, 1)]
-"""(model, tp, ep, pp, dcp, dp: DP attention groups, a2a: the all-to-all MoE)"""
+                                      "dsa_config": {"index_n_heads": 4}}),       # every width splits 4 ways
+          "k3.1-skewed": ("k3.1-tiny", {"moe_intermediate_size": 64}),
+          "kimi-linear-skewed": ("kimi-linear-tiny", {})}
+HOT_EXPERTS = (0, 1)
+"""The -skewed models' router bias sends every token to these experts (both on EP rank 0 at load)."""
+CASES = [("k3.1", 2, 1, 1, 1, 1, 0, 0), ("k3.1", 2, 2, 1, 1, 1, 0, 0), ("kimi-linear", 2, 1, 1, 1, 1, 0, 0),
+         ("kimi-linear", 2, 2, 1, 1, 1, 0, 0), ("k3.1", 1, 1, 2, 1, 1, 0, 0), ("kimi-linear", 1, 1, 2, 1, 1, 0, 0),
+         ("k3.1", 2, 1, 2, 1, 1, 0, 0), ("k3.1", 2, 1, 1, 2, 1, 0, 0), ("kimi-linear", 2, 1, 1, 2, 1, 0, 0),
+         ("k3.1-wide", 4, 1, 1, 2, 1, 0, 0), ("k3.1", 2, 1, 1, 1, 2, 0, 0), ("kimi-linear", 2, 2, 1, 1, 2, 0, 0),
+         ("k3.1-wide", 4, 2, 1, 1, 2, 0, 0),
+         ("k3.1", 2, 2, 1, 1, 1, 1, 0), ("k3.1-wide", 4, 4, 1, 1, 4, 1, 0), ("kimi-linear", 4, 4, 1, 1, 4, 1, 0),
+         ("k3.1-wide", 4, 2, 1, 1, 2, 1, 0),
+         ("k3.1-skewed", 2, 2, 1, 1, 1, 1, 2), ("kimi-linear-skewed", 2, 2, 1, 1, 1, 0, 2),
+         ("k3.1-wide", 4, 4, 1, 1, 4, 1, 4)]
+"""(model, tp, ep, pp, dcp, dp: DP attention groups, a2a: the all-to-all MoE, redundant: redundant experts, with
+EPLB rebalancing every EPLB_WINDOW steps)"""
+EPLB_WINDOW = 2
 RANK_TIMEOUT_S = 240
 POOL_BUDGET = 256 * 2**20
 """Bytes of memory x fraction per rank in the pool check: room for a tiny model and pools (allocated, not touched)."""
@@ -65,6 +74,8 @@ def folders(tmp_path_factory) -> dict[str, str]:
         for param_name, p in model.named_parameters():     # a router bias that steers selection
             if param_name.endswith("e_score_correction_bias"):
                 p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+                if name.endswith("-skewed"):
+                    p.data[list(HOT_EXPERTS)] += 1.0
         folder = tmp_path_factory.mktemp(name)
         save_model(model, folder, config_json=raw)
         out[name] = str(folder)
@@ -77,21 +88,22 @@ def pool_fraction(ranks: int) -> float:
     return POOL_BUDGET / (device_memory(torch.device("cpu")) // ranks)
 
 
-def case_name(model: str, tp: int, ep: int, pp: int, dcp: int, dp: int, a2a: int) -> str:
-    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}-dp{dp}" + ("-a2a" if a2a else "")
+def case_name(model: str, tp: int, ep: int, pp: int, dcp: int, dp: int, a2a: int, redundant: int) -> str:
+    return f"{model}-tp{tp}-ep{ep}-pp{pp}-dcp{dcp}-dp{dp}" + ("-a2a" if a2a else "") + \
+        (f"-eplb{redundant}" if redundant else "")
 
 
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
     """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks)."""
     results = {}
-    for world in sorted({tp * pp for _, tp, _, pp, _, _, _ in CASES}):
+    for world in sorted({tp * pp for _, tp, _, pp, _, _, _, _ in CASES}):
         out = tmp_path_factory.mktemp("ranks") / "logits.pt"
         cases = [(case_name(*case), folders[case[0]], *case[1:]) for case in CASES if case[1] * case[3] == world]
         port = __import__("kestrel.distributed.launch", fromlist=["_free_port"])._free_port()
         specs = [RankSpec(r, world, r, f"tcp://127.0.0.1:{port}", True) for r in range(world)]
         pool_args = dict(dtype="float32", mem_fraction_static=pool_fraction(world), mamba_full_memory_ratio=RATIO)
-        workers = Workers(rank_main, specs, cases, str(out), pool_args)
+        workers = Workers(rank_main, specs, cases, str(out), pool_args, EPLB_WINDOW)
         try:
             for p in workers.processes:
                 p.join(RANK_TIMEOUT_S)
@@ -102,11 +114,11 @@ def rank_results(folders, tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", CASES)
-def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a,redundant", CASES)
+def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a, redundant):
     single = load_model(folders[model], torch.float32)
     expected = oracle(single)
-    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a, redundant)]
     for name in SEQUENCES:
         first = FORK_AT if name == "D" else 0          # the fork's own tokens (its prompt is B's)
         torch.testing.assert_close(got[name], expected[name][first:], **TOLERANCE,
@@ -115,21 +127,21 @@ def test_rank_logits_equal_single_process(folders, rank_results, model, tp, ep, 
         torch.testing.assert_close(got["mtp"], mtp_logits(single), **TOLERANCE)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", [case for case in CASES if case[5] == 1])   # PD refuses DP
-def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a,redundant", [case for case in CASES if case[5] == 1])   # PD refuses DP
+def test_a_handoff_gathered_from_the_ranks_is_one_process_state(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a, redundant):
     """Sequence A's state and pages, read on every rank and gathered (kestrel.engine.cache.shards), equal what one
     process's caches hold after the same steps: what a PD handoff sends, in any layout."""
     single = load_model(folders[model], torch.float32)
     _, runner = run_script(single, ParallelLayout())
     expected = runner.read(Save([[]], handoff_parts_of_a()))
-    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]["handoff"]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a, redundant)]["handoff"]
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", CASES)
-def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a,redundant", [case for case in CASES if not case[7]])
+def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a, redundant):
     """`kestrel plan --engine kestrel` plans each stage's rank 0, the heaviest of its stage (uneven splits give
     the first rank more): the heaviest rank's weights, and the pools all ranks agree on; each rank allocates them
     for its own stage's layers only (under DP attention, for its DP group's sequences)."""
@@ -138,7 +150,7 @@ def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, mod
                                cache=CacheSettings(kv_dtype="fp32"),
                                mem_fraction=pool_fraction(tp * pp), ratio=RATIO, engine="kestrel", batches=(1,),
                                compare_devices=False))
-    ranks = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]["pools"]
+    ranks = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a, redundant)]["pools"]
     assert max(rank["weight_bytes"] for rank in ranks) == planned.weight_bytes_per_rank_total
     slots, kv_tokens = planned.pools.state_slots, planned.pools.kv_tokens
     for rank in ranks:
@@ -150,13 +162,13 @@ def test_every_ranks_pools_are_what_kestrel_plan_says(folders, rank_results, mod
     assert sum(len(rank["kv_tokens"]) for rank in first_tp_ranks) == len(config.mla_layers)
 
 
-@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a", CASES)
-def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a):
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a,redundant", [case for case in CASES if not case[7]])
+def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a, redundant):
     """Parallel.bytes_sent (one stage: the TP collectives; rank 0's, of DP group 0) and the stage link's bytes
     (rank 0's stream to the second stage) over the scripted steps equal kestrel/distributed/traffic.py (float32
     activations)."""
     config = load_config(folders[model])
-    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a)]
+    got = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a, redundant)]
     if a2a:
         layout = ParallelLayout(tp, ep, 0, pp, dcp, dp, True)
         expected = Counter()
@@ -177,3 +189,22 @@ def test_collective_bytes_are_what_the_traffic_formula_says(folders, rank_result
     second_stage = config.num_hidden_layers // pp
     assert got["stage_bytes_sent"] == {"stream": sum(pp_traffic(config, second_stage, f, 4)["stream"]
                                                      for [f] in forwards())}
+
+
+@pytest.mark.parametrize("model,tp,ep,pp,dcp,dp,a2a,redundant", [case for case in CASES if "skewed" in case[0]])
+def test_eplb_balances_a_skewed_router_and_keeps_the_logits(folders, rank_results, model, tp, ep, pp, dcp, dp, a2a,
+                                                            redundant):
+    """Every token of the -skewed models picks HOT_EXPERTS, which start on EP rank 0: over the first window that
+    rank computes every pair (max / mean = ep_size); the rebalance gives each hot expert a replica on each rank
+    (redundant = ep), and the next window's pairs split evenly (max / mean 1.0, as eplb.rank_load predicts). The
+    logits of every step, before and after the rebalance, are one process's (test_rank_logits_equal_single_process
+    runs the same case)."""
+    windows = rank_results[case_name(model, tp, ep, pp, dcp, dp, a2a, redundant)]["rank_load"]
+    config = load_config(folders[model])
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    tokens = [sum(length for chunks in CHUNKS[w:w + EPLB_WINDOW] for _, _, length in chunks)
+              for w in range(0, len(CHUNKS) - 1, EPLB_WINDOW)]
+    assert [sum(w) for w in windows] == [len(HOT_EXPERTS) * t * moe_layers for t in tokens]     # every pair, once
+    before, after = (torch.tensor(w, dtype=torch.float64) for w in windows)
+    assert eplb.imbalance(before) == ep and before[1:].sum() == 0
+    assert eplb.imbalance(after) == 1.0

@@ -13,6 +13,7 @@ from kestrel.distributed.layout import ParallelLayout, partition
 from kestrel.distributed.traffic import Forward
 from kestrel.engine.cache.page_table import PageTable
 from kestrel.engine.cache.shards import gather_entry
+from kestrel.engine.expert_balance import ExpertBalancer
 from kestrel.engine.handoff import handoff_parts
 from kestrel.engine.model_runner import ModelRunner, Save, Step
 from kestrel.layers.batch import ForwardBatch
@@ -89,7 +90,7 @@ def forwards(dp: int = 1) -> list[list[Forward]]:
 TIE_GAP = 5e-5
 """The least gap between a token's k-th and (k+1)-th routing scores for which a rank's choice is that of one
 process: the ranks' scores differ by float32 reordering upstream (the logits by at most 2e-5, test_tp_logits), and
-the sigmoid halves what it is given; the test models' least gap is 1.3e-4."""
+the sigmoid's slope is at most 1/4; the test models' least gap is 1.3e-4."""
 
 
 @torch.inference_mode()
@@ -148,19 +149,26 @@ def handoff_parts_of_a() -> list:
     return handoff_parts(SLOTS["A"], [ROW * SLOTS["A"] + i for i in range(-(-len(A) // PAGE))])
 
 
-def run_script(model: KimiForCausalLM, layout: ParallelLayout) -> tuple[dict[str, torch.Tensor], ModelRunner]:
-    """Each sequence's logits [len, vocab] at every position, from the scripted steps on this rank's shard; and the
-    runner (its caches hold the script's sequences)."""
+def run_script(model: KimiForCausalLM, layout: ParallelLayout, balancer: ExpertBalancer | None = None
+               ) -> tuple[dict[str, torch.Tensor], ModelRunner]:
+    """Each sequence's logits [len, vocab] at every position, from the scripted steps on this rank's shard (and,
+    with a balancer, each of its windows' load per EP rank); and the runner (its caches hold the script's
+    sequences)."""
     cache = HybridCache.allocate(layout.cache_config(model.config), len(SLOTS), len(SLOTS) * ROW, PAGE,
                                  torch.float32, device="cpu", dcp_size=layout.dcp_size)
-    runner = ModelRunner(model, cache, PageTable(len(SLOTS), ROW, 0, "cpu"), None)
+    runner = ModelRunner(model, cache, PageTable(len(SLOTS), ROW, 0, "cpu"), None, balancer=balancer)
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in SEQUENCES}
+    windows = []
     for step, chunks in zip(steps(layout.dp_size), step_chunks(layout.dp_size)):
         for (name, _, _), logits in zip(chunks, runner.execute(step)):
             if logits is not None:       # under pipeline parallelism only rank 0 gets logits (under DP attention
                 # every rank gets every group's)
                 rows[name].append(logits)
+        if balancer is not None and balancer.steps % balancer.window == 0:
+            windows.append(balancer.rank_load)
     out = {name: torch.cat(parts) for name, parts in rows.items() if parts}
+    if balancer is not None:
+        out["rank_load"] = windows
     if runner.link is not None:
         out["stage_bytes_sent"] = dict(runner.link.bytes_sent)
     return out, runner
@@ -195,10 +203,11 @@ def allocated_pools(args, par, control) -> dict[str, int]:
             "kv_tokens": [layer.latent.values.shape[0] for layer in shard.cache.mla]}    # per MLA layer
 
 
-def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int, bool]], out: str, pool_args: dict) -> None:
+def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int, bool, int]], out: str, pool_args: dict,
+              eplb_window: int) -> None:
     """One rank of the test's group: for each case (name, model folder, tp_size, ep_size, pp_size, dcp_size,
-    dp_size with DP attention, the all-to-all MoE), this rank's shard runs the script (and the MTP layer, in one
-    stage), its share of
+    dp_size with DP attention, the all-to-all MoE, redundant experts: then EPLB rebalances every eplb_window
+    steps), this rank's shard runs the script (and the MTP layer, in one stage), its share of
     A's state is gathered (not under DP attention, which PD refuses), then the engine loads the case (EngineArgs of
     pool_args) and allocates its pools; rank 0 saves every case's logits and every rank's pools to out."""
     import torch.distributed as dist
@@ -212,11 +221,12 @@ def rank_main(spec, cases: list[tuple[str, str, int, int, int, int, int, bool]],
     _, control = init_process_groups(spec, ParallelLayout(spec.world_size, 1, spec.rank), torch.device("cpu"),
                                      timeout_s=120)
     results = {}
-    for name, folder, tp, ep, pp, dcp, dp, a2a in cases:
-        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp, dp, a2a)
+    for name, folder, tp, ep, pp, dcp, dp, a2a, redundant in cases:
+        layout = ParallelLayout(tp, ep, spec.rank, pp, dcp, dp, a2a, redundant)
         par = Parallel(layout, tp_group(layout), dcp_groups=dcp_groups(layout), dp_groups=dp_groups(layout))
         model = load_model(folder, torch.float32, "cpu", par)
-        results[name], runner = run_script(model, layout)
+        balancer = ExpertBalancer(model, par, eplb_window, True) if redundant else None
+        results[name], runner = run_script(model, layout, balancer)
         results[name]["bytes_sent"] = dict(par.bytes_sent)
         if dp == 1:
             entries = [None] * spec.world_size

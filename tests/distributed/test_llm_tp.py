@@ -214,3 +214,32 @@ def test_pd_handoffs_between_instances_of_different_layouts(expected):
     by_length = sorted(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]["prompt_token_ids"]))
     assert [finals[f"d{j}"] for j in range(len(PROMPTS))] == [expected[i] for i in by_length]
     assert not multiprocessing.active_children()
+
+
+def test_wide_ep_all_to_all_with_eplb_greedy_tokens_equal_one_process(expected):
+    """WideEP at TP2: two DP attention groups, the experts split over both ranks with two redundant slots, every
+    token's routed-expert input dispatched all-to-all to the rank of the slot it chose, EPLB rebalancing every 3
+    steps while the requests run (their tokens unchanged, none lost)."""
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, ep_size=2, dp_size=2, enable_dp_attention=True,
+              moe_a2a_backend="torch", enable_eplb=True, ep_num_redundant_experts=2, eplb_rebalance_num_iterations=3,
+              **ARGS)
+    try:
+        assert tokens(llm) == expected
+        balancer = llm.engine.runner.balancer
+        assert balancer.rebalances >= 3 and len(balancer.rank_load) == 2 and sum(balancer.rank_load) > 0
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_all_to_all_experts_verify_speculative_drafts_as_one_process(expected):
+    """The all-to-all MoE without DP attention (TP2 x EP2: attention split over both ranks, each dispatching half
+    of every step's tokens) under MTP speculative decoding: the verification steps' tokens are one process's."""
+    llm = LLM(str(BUNDLED_MODEL), tp_size=2, ep_size=2, moe_a2a_backend="torch", speculative_algorithm="NEXTN",
+              **ARGS)
+    try:
+        assert tokens(llm) == expected
+        assert llm.engine.spec_stats.draft_tokens > 0
+    finally:
+        llm.engine.shutdown()
+    assert not multiprocessing.active_children()

@@ -29,6 +29,10 @@ from .web import build_site
 AVG_REQUEST_LEN_HELP = "input + output tokens (default: SGLang's calculator's 11,264, or the model's context if less)"
 EVIDENCE_DIR_HELP = "folder of the evidence records to read"
 HICACHE_HELP = "hierarchical KV cache: off, host memory, or host memory and storage"
+MOE_A2A_BACKENDS = ("none", "torch")
+MOE_A2A_HELP = ("routed experts' tokens: none (every rank computes its experts' share of every token, one all-reduce "
+                "over the TP group) or torch (each token dispatched all-to-all to the EP ranks holding its experts; "
+                "dense MLPs and shared experts over the attention group; needs --ep above 1)")
 LAYOUT_HELP = {"tp": "tensor-parallel size (ranks per pipeline stage)", "dp": "DP-attention size",
                "ep": "expert-parallel size", "pp": "pipeline-parallel stages", "dcp": "decode-context-parallel size"}
 
@@ -57,6 +61,10 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="unquantized weights and activations")
     for name, text in LAYOUT_HELP.items():
         p.add_argument(f"--{name}", type=int, default=8 if name == "tp" else 1, help=text)
+    p.add_argument("--moe-a2a-backend", choices=MOE_A2A_BACKENDS, default="none", help=MOE_A2A_HELP)
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                   help="EPLB's extra routed-expert slots over the EP ranks (a multiple of --ep), counted in the "
+                        "weights per rank and the all-to-all reach")
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="bf16", help="KV cache element type")
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="sglang",
                    help="SGLang's pools (fp8 with per-tensor scales; the DSA row for models with an indexer) or "
@@ -104,7 +112,9 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
                           draft_tokens=args.draft_tokens, draft_kv_bytes=args.draft_kv_bytes,
                           replay_ssm=args.replay_ssm, replay_cache_len=args.replay_cache_len)
     return PlanRequest(model=args.model, hardware=args.hardware, dtype=args.dtype, engine=args.engine,
-                       layout=Layout(tp=args.tp, dp=args.dp, ep=args.ep, pp=args.pp, dcp=args.dcp), nodes=args.nodes,
+                       layout=Layout(tp=args.tp, dp=args.dp, ep=args.ep, pp=args.pp, dcp=args.dcp,
+                                     a2a=args.moe_a2a_backend != "none",
+                                     redundant_experts=args.ep_num_redundant_experts), nodes=args.nodes,
                        cache=cache, hicache=args.hicache, avg_request_len=args.avg_request_len,
                        mem_fraction=args.mem_fraction, ratio=args.ratio,
                        max_running_requests=args.max_running_requests,
@@ -183,7 +193,7 @@ def _add_matrix(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("matrix", help="the verification matrix and claims ledger, from evidence records")
     p.add_argument("--evidence-dir", type=Path, default=DEFAULT_EVIDENCE_DIR, help=EVIDENCE_DIR_HELP)
     p.add_argument("--write", type=Path, default=None, metavar="DIR",
-                   help="write matrix.md, claims.md and hardware.md into DIR (e.g. docs/cookbook)")
+                   help="write matrix.md, claims.md, hardware.md and wide-ep.md into DIR (e.g. docs/cookbook)")
     p.set_defaults(run=run_matrix)
 
 

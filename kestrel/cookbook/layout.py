@@ -18,8 +18,9 @@ from .model import ModelFacts
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel sizes (SGLang's --tp-size, --dp-size with DP attention, --ep-size, --pp-size, --dcp-size) and
-    whether the routed experts' tokens are dispatched all-to-all (--moe-a2a-backend other than none)."""
+    """Parallel sizes (SGLang's --tp-size, --dp-size with DP attention, --ep-size, --pp-size, --dcp-size), whether
+    the routed experts' tokens are dispatched all-to-all (--moe-a2a-backend other than none) and EPLB's extra expert
+    slots over the EP ranks (--ep-num-redundant-experts with --enable-eplb)."""
 
     tp: int = 8
     dp: int = 1
@@ -27,6 +28,7 @@ class Layout:
     pp: int = 1
     dcp: int = 1
     a2a: bool = False
+    redundant_experts: int = 0
 
     @property
     def world(self) -> int:
@@ -51,7 +53,9 @@ class Layout:
         parts = [f"TP{self.tp}"]
         parts += [f"{name}{size}" for name, size in (("DP", self.dp), ("EP", self.ep), ("PP", self.pp),
                                                      ("DCP", self.dcp)) if size > 1]
-        return " x ".join(parts)
+        moe = [what for what, on in (("all-to-all MoE", self.a2a),
+                                     (f"{self.redundant_experts} redundant experts", self.redundant_experts)) if on]
+        return " x ".join(parts) + (f" ({', '.join(moe)})" if moe else "")
 
 
 def check_layout(layout: Layout, model: ModelFacts) -> None:
@@ -73,6 +77,13 @@ def check_layout(layout: Layout, model: ModelFacts) -> None:
     experts = model.config.num_experts
     if experts and experts % layout.ep:
         raise ValueError(f"{model.name} has {experts} routed experts, not divisible by --ep {layout.ep}.")
+    if layout.a2a and layout.ep == 1:
+        raise ValueError("--moe-a2a-backend torch needs --ep above 1 (with one EP rank every rank holds every expert "
+                         "and there is nothing to dispatch); pass --ep or --moe-a2a-backend none.")
+    if layout.redundant_experts < 0 or layout.redundant_experts % layout.ep or (layout.redundant_experts
+                                                                                 and layout.ep == 1):
+        raise ValueError(f"--ep-num-redundant-experts {layout.redundant_experts} must be a multiple of --ep "
+                         f"{layout.ep} above 1 (every EP rank holds as many expert slots), or 0.")
     if layout.attention_tp % layout.dcp:
         raise ValueError(f"--dcp {layout.dcp} must divide the attention TP size {layout.attention_tp}.")
     if layout.pp > model.num_layers:

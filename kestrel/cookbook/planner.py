@@ -21,7 +21,8 @@ from ..engine.args import EngineArgs
 from ..engine.cache.planner import MemoryPlan, MemoryPlanError, plan_memory
 from .hardware import CPU, Device, catalog, get_device, local_cpu
 from .layout import Layout, NodeLayout, check_layout, node_layout
-from .model import DTYPES, KV_DTYPES, SSM_DTYPES, ModelFacts, model_facts
+from .model import DTYPES, EXPERTS, KV_DTYPES, SSM_DTYPES, ModelFacts, model_facts
+from .moe_traffic import PATHS, moe_bytes_per_token, moe_layers
 from .pools import PoolInputs, Pools, size_pools
 from .roofline import DecodeStep, crossover_context, decode_step
 
@@ -101,6 +102,7 @@ class Plan:
     unknowns: list[Unknown]
     notes: list[str]
     handoff_bytes: int | None                   # a PD role's handoff of one avg_request_len prompt; None: Unified
+    moe_bytes_per_token: dict[str, float]       # MoE wire bytes per token over all ranks, by path (moe_traffic.py)
 
     @property
     def weight_bytes_per_rank_total(self) -> int:
@@ -143,6 +145,7 @@ class Plan:
             "unknowns": [asdict(u) for u in self.unknowns],
             "notes": self.notes,
             "handoff_bytes": self.handoff_bytes,
+            "moe_bytes_per_token": self.moe_bytes_per_token,
         }
 
 
@@ -214,10 +217,15 @@ def _sized_request(request: PlanRequest, model: ModelFacts) -> PlanRequest:
 
 
 def _stage_weights(model: ModelFacts, layout: Layout, engine: str) -> list[dict[str, int]]:
-    """Weight bytes per rank by sharding class, for each pipeline stage."""
+    """Weight bytes per rank by sharding class, for each pipeline stage; with EPLB's redundant slots, the copies
+    they hold (a rank holds (E + R) / ep expert slots instead of E / ep)."""
     stages = layout.stages(model.num_layers)
-    return [dict(model.rank_bytes(layout.first_rank(engine), stage, s == 0, s == len(stages) - 1))
-            for s, stage in enumerate(stages)]
+    weights = [dict(model.rank_bytes(layout.first_rank(engine), stage, s == 0, s == len(stages) - 1))
+               for s, stage in enumerate(stages)]
+    if layout.redundant_experts:
+        for w in weights:
+            w["redundant_experts"] = w[EXPERTS] * layout.redundant_experts // model.config.num_experts
+    return weights
 
 
 def _draft_bytes(request: PlanRequest, settings: CacheSettings) -> int | None:
@@ -278,7 +286,9 @@ def kestrel_args(request: PlanRequest, ratio: float) -> EngineArgs:
                       mem_fraction_static=request.mem_fraction, mamba_full_memory_ratio=ratio,
                       max_mamba_cache_size=request.max_mamba_cache_size,
                       max_running_requests=request.max_running_requests, tp_size=layout.tp, ep_size=layout.ep,
-                      dp_size=layout.dp, enable_dp_attention=layout.dp > 1, dcp_size=layout.dcp, pp_size=layout.pp)
+                      dp_size=layout.dp, enable_dp_attention=layout.dp > 1, dcp_size=layout.dcp, pp_size=layout.pp,
+                      moe_a2a_backend="torch" if layout.a2a else "none", enable_eplb=layout.redundant_experts > 0,
+                      ep_num_redundant_experts=layout.redundant_experts)
 
 
 def check_kestrel_layout(request: PlanRequest, model: ModelFacts) -> ParallelLayout:
@@ -443,7 +453,33 @@ def _notes(request: PlanRequest, settings: CacheSettings, model: ModelFacts) -> 
                      "unchanged and the host tier's size is not modelled")
     if request.layout.pp > 1:
         notes.append("pipeline parallelism turns SGLang's overlap scheduler off (S counts a 1-slot track buffer)")
+    notes += _moe_notes(request.layout)
     return notes
+
+
+def _moe_notes(layout: Layout) -> list[str]:
+    notes = []
+    if layout.a2a:
+        notes.append("all-to-all MoE: dense MLPs and shared experts split over the attention group (tp / dp ranks) in "
+                     "the weights per rank; comm/step is kestrel.distributed.traffic.a2a_traffic with the pairs "
+                     "expected under uniform routing (a skewed router sends more to its hot experts' ranks until EPLB "
+                     "re-places them)" + ("" if layout.dcp == 1 else "; not counted with DCP"))
+    if layout.redundant_experts:
+        notes.append(f"EPLB: {layout.redundant_experts} redundant expert slots, "
+                     f"{layout.redundant_experts // layout.ep} more per EP rank, counted in the weights per rank "
+                     "(redundant_experts)")
+    return notes
+
+
+def _moe_traffic(model: ModelFacts, layout: Layout) -> dict[str, float]:
+    """MoE wire bytes per token over all ranks of the layout's TP group, on each path the layout can take (the
+    all-to-all path needs EP); empty without MoE layers or tensor parallelism."""
+    config = model.config
+    if layout.tp == 1 or not moe_layers(config):
+        return {}
+    paths = PATHS if layout.ep > 1 else PATHS[:1]
+    return {path: moe_bytes_per_token(config, layout.tp, layout.ep, layout.dp, path, DTYPES[model.dtype].itemsize,
+                                      redundant=layout.redundant_experts) for path in paths}
 
 
 def _crossovers(model: ModelFacts, steps: list[DecodeStep]) -> list[Crossover]:
@@ -515,7 +551,8 @@ def plan(request: PlanRequest) -> Plan:
                 balanced_ratio=balanced, ratio=ratio, memory_bytes_per_rank=memory_per_rank, pools=pools, fits=fits,
                 fit_reason=reason, min_devices=others, roofline=steps, crossovers=_crossovers(model, steps),
                 unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings, model),
-                handoff_bytes=_handoff_bytes(request, model, settings))
+                handoff_bytes=_handoff_bytes(request, model, settings),
+                moe_bytes_per_token=_moe_traffic(model, layout))
 
 
 def _fit(pools: Pools | None, request: PlanRequest) -> tuple[bool | None, str]:

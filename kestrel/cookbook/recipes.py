@@ -17,12 +17,18 @@ from ..engine.args import BUNDLED_MODEL
 from . import sglang_recipe, vllm_recipe
 from .anchors import anchors
 from .calculator import MODES, CacheSettings, ratio_text
+from .flags import flag_value, has_flag, parse_flags
 from .hardware import CPU
 from .layout import Layout
 from .planner import Plan, PlanRequest, plan
 from .recipe_request import STRATEGIES, RecipeRefused, RecipeRequest
 
 ENGINES = ("kestrel", "sglang", "vllm")
+SGLANG_A2A_BACKENDS = frozenset({"deepep", "deepep_v2", "megamoe", "mooncake", "nixl", "ascend_fuseep", "flashinfer",
+                                 "flashinfer_megamoe", "mori", "pplx"})
+"""SGLang's all-to-all MoE backends (--moe-a2a-backend) that spread the experts over the whole TP group: with any of
+them SGLang sets --ep-size to --tp-size (SGLang 0.5.23, srt/arg_groups/overrides.py: _A2A_EP_SPANNING_BACKENDS and
+_a2a_ep_size). kestrel's command for such a cell dispatches with its own backend, --moe-a2a-backend torch."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,10 @@ def _hicache_flags(hicache: str) -> list[str]:
     return [] if hicache == "off" else [_kestrel_rules()["hicache_flags"][hicache]]
 
 
-def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, extra: list[str]) -> str:
-    """The `kestrel serve` line that runs kestrel_plan (its layout, memory fraction, ratio and cache dtypes)."""
+def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, extra: list[str],
+                   moe: list[str] | None = None) -> str:
+    """The `kestrel serve` line that runs kestrel_plan (its layout, memory fraction, ratio and cache dtypes), with
+    the MoE path's flags `moe` after the expert parallelism."""
     request, cache = kestrel_plan.request, kestrel_plan.request.cache
     layout = request.layout
     parts = ["kestrel serve", f"--model {folder}", f"--device {device}"]
@@ -86,8 +94,11 @@ def _kestrel_serve(folder: str, device: str, kestrel_plan: Plan, ratio: str, ext
         parts.append("--dtype float32")
     if layout.tp > 1:
         parts.append(f"--tp-size {layout.tp}")
+    if layout.dp > 1:
+        parts.append(f"--dp-size {layout.dp} --enable-dp-attention")
     if layout.ep > 1:
         parts.append(f"--ep-size {layout.ep}")
+    parts += moe or []
     if layout.pp > 1:
         parts.append(f"--pp-size {layout.pp}")
     if layout.dcp > 1:
@@ -166,6 +177,53 @@ def _recipe_notes(cell: sglang_recipe.SGLangCell, request: RecipeRequest, recipe
     return notes + _handoff_note(recipe_plan)
 
 
+def wide_ep_cells() -> list[tuple[str, bool]]:
+    """The anchor cells whose SGLang flags dispatch the experts all-to-all (SGLANG_A2A_BACKENDS) or enable EPLB, as
+    (model/hardware/mode/strategy, whether kestrel runs on that hardware: NVIDIA GPUs)."""
+    cells = []
+    for cell in anchors()["cells"]:
+        flags = parse_flags(cell["flags"])
+        if flag_value(flags, "--moe-a2a-backend") in SGLANG_A2A_BACKENDS or has_flag(flags, "--enable-eplb"):
+            lane = "/".join([cell.get("model", "k3"), cell["hw"], cell["mode"], cell["strategy"]])
+            cells.append((lane, anchors()["hardware"][cell["hw"]]["family"] == "nvidia"))
+    return cells
+
+
+def kestrel_moe(cell: sglang_recipe.SGLangCell, layout: Layout) -> tuple[Layout, list[str], list[str]]:
+    """kestrel's layout, `kestrel serve` MoE flags and notes for an SGLang cell on `layout`: a cell that dispatches
+    its experts all-to-all (SGLANG_A2A_BACKENDS) gets kestrel's all-to-all (--moe-a2a-backend torch) at EP = TP, as
+    SGLang sets EP for those backends; a cell with --enable-eplb gets kestrel's EPLB with the cell's
+    --ep-num-redundant-experts, or one redundant slot per EP rank when it names none, rounded up to a multiple of
+    the EP size (kestrel gives every EP rank as many slots), and its --eplb-rebalance-num-iterations."""
+    backend = flag_value(cell.flags, "--moe-a2a-backend")
+    a2a, eplb = backend in SGLANG_A2A_BACKENDS, has_flag(cell.flags, "--enable-eplb")
+    flags, notes = [], []
+    ep = layout.tp if a2a else layout.ep
+    if a2a:
+        flags.append("--moe-a2a-backend torch")
+        notes.append(f"SGLang's cell dispatches the routed experts' tokens all-to-all (--moe-a2a-backend {backend}, "
+                     f"EP{ep} = TP as SGLang sets it); kestrel's all-to-all runs over torch.distributed "
+                     "(--moe-a2a-backend torch)" + (", each token's residual stream staying with its DP attention "
+                                                     "group" if layout.dp > 1 else ""))
+    redundant = 0
+    if eplb:
+        named = flag_value(cell.flags, "--ep-num-redundant-experts")
+        # Default when the cell names none (SGLang's own default is 0): one spare slot per EP rank, as DeepSeek-V3's
+        # EP32 prefill deploys 32 redundant experts, one per GPU (DeepSeek-V3 technical report, section 3.4.1), so
+        # the balancer can copy the hottest experts onto every rank.
+        wanted = int(named) if named else ep
+        redundant = -(-wanted // ep) * ep if ep > 1 else wanted
+        flags.append(f"--enable-eplb --ep-num-redundant-experts {redundant}")
+        iterations = flag_value(cell.flags, "--eplb-rebalance-num-iterations")
+        if iterations:
+            flags.append(f"--eplb-rebalance-num-iterations {iterations}")
+        source = (f"the cell's --ep-num-redundant-experts {named}" if named else "the cell names none: one per EP rank")
+        notes.append(f"EPLB as the cell enables it: {redundant} redundant expert slots ({source}"
+                     + (f", rounded up to a multiple of EP{ep}" if named and redundant != wanted else "")
+                     + "), their copies counted in kestrel's weights per rank")
+    return replace(layout, ep=ep, a2a=a2a, redundant_experts=redundant), flags, notes
+
+
 def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_plan: Plan) -> EngineCommand:
     """kestrel's command for the SGLang cell's layout and memory settings, planned by kestrel's own engine
     arithmetic; RecipeRefused when kestrel cannot run it (the reason names what is missing)."""
@@ -173,20 +231,22 @@ def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_
     hardware = anchors()["hardware"][cell.hardware_key]
     quant = request.quant or sglang_recipe.default_quant(request.hardware)
     planned = sglang_plan.request
+    layout, moe_flags, moe_notes = kestrel_moe(cell, planned.layout)
     refusals = [(hardware["family"] != "nvidia", rules["unsupported"]["hardware"].format(hardware=request.hardware)),
                 (request.spec != "none", rules["unsupported"]["spec"]),
                 (quant != "mxfp4", rules["unsupported"]["quant"].format(quant=quant)),
-                (request.hicache != "off" and planned.layout.world > 1,
-                 rules["unsupported"]["hicache_ranks"].format(layout=planned.layout.describe()))]
+                (request.hicache != "off" and layout.world > 1,
+                 rules["unsupported"]["hicache_ranks"].format(layout=layout.describe()))]
     for refused, reason in refusals:
         if refused:
             raise RecipeRefused(reason + ".")
     try:
-        kestrel_plan = plan(replace(planned, engine="kestrel", max_mamba_cache_size=None, compare_devices=False))
+        kestrel_plan = plan(replace(planned, engine="kestrel", layout=layout, max_mamba_cache_size=None,
+                                    compare_devices=False))
     except ValueError as e:
-        raise RecipeRefused(f"kestrel's engine cannot run {planned.layout.describe()}: {str(e).rstrip('.')}.") from e
+        raise RecipeRefused(f"kestrel's engine cannot run {layout.describe()}: {str(e).rstrip('.')}.") from e
     if not kestrel_plan.fits:
-        raise RecipeRefused(f"kestrel's plan of {planned.layout.describe()} does not fit: {kestrel_plan.fit_reason}.")
+        raise RecipeRefused(f"kestrel's plan of {layout.describe()} does not fit: {kestrel_plan.fit_reason}.")
     ratio = ratio_text(kestrel_plan.ratio)
     folder = f"models/{cell.model_path.rsplit('/', 1)[-1]}"
     extra, router, pd_notes = _hicache_flags(request.hicache), [], []
@@ -203,9 +263,9 @@ def _kestrel_gpu(cell: sglang_recipe.SGLangCell, request: RecipeRequest, sglang_
     summary = (f"kestrel's plan per rank: {kestrel_plan.weight_bytes_per_rank_total / 1e9:.1f} GB of weights, "
                f"{pools.state_slots:,} state slots, {pools.kv_tokens:,} KV tokens (ratio {ratio}, S = 1)")
     return EngineCommand(lines=[rules["download"].format(hf=cell.model_path, folder=folder),
-                                _kestrel_serve(folder, "cuda", kestrel_plan, ratio, extra), *router],
-                         strategy=f"{planned.layout.describe()} on {cell.nodes} x {cell.per_node}",
-                         notes=[summary, rules["radix_note"], rules["gpu_note"], *pd_notes]
+                                _kestrel_serve(folder, "cuda", kestrel_plan, ratio, extra, moe_flags), *router],
+                         strategy=f"{layout.describe()} on {cell.nodes} x {cell.per_node}",
+                         notes=[summary, *moe_notes, rules["radix_note"], rules["gpu_note"], *pd_notes]
                          + (["run the same command on every node with its own --node-rank"] if cell.nodes > 1 else []))
 
 

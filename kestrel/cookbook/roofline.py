@@ -14,8 +14,11 @@ The step takes at least bytes / bandwidth on every pipeline stage, plus the time
 scale-up interconnect (kestrel.distributed.traffic: TP all-reduces and the logits' all-gather, DCP's exchange; not
 overlapped with the reads, as kestrel's layers wait for each collective); a user's tokens/s is at most
 tokens_per_sequence / (sum over stages), a device's at most batch x tokens_per_sequence / (slowest stage) / devices.
-Compute, the draft model's own reads, and communication under DP attention or pipeline stages are not counted, so
-every figure is an upper bound.
+With the all-to-all MoE (layout.a2a) the collectives are a2a_traffic's: the dp groups each hold an equal share of the
+step's sequences, and each rank dispatches expected_a2a_pairs (uniform routing) per token of its share and MoE layer
+and returns as many rows; an all-to-all's wire bytes are the bytes it sends.
+Compute, the draft model's own reads, and communication on the all-reduce path under DP attention, with pipeline
+stages, or of the all-to-all path with DCP are not counted, so every figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from dataclasses import asdict, dataclass
 
 from .calculator import CacheSettings
 from .layout import Layout
-from ..distributed.traffic import Forward, comm_seconds, dcp_traffic, tp_traffic
+from ..distributed.traffic import (Forward, a2a_traffic, comm_seconds, dcp_traffic, expected_a2a_pairs,
+                                  tp_traffic)
 from .model import DTYPES, EXPERTS, VOCAB, ModelFacts
+from .moe_traffic import moe_layers
 
 ASSUMPTIONS = ("planner", "most_favourable")
 
@@ -111,18 +116,36 @@ def decode_step(model: ModelFacts, layout: Layout, settings: CacheSettings, band
 
 def _comm_seconds(model: ModelFacts, layout: Layout, interconnect_per_rank: float | None, sequences: int,
                   context: int, tokens_per_sequence: int) -> float | None:
-    """Time one rank's collectives take in the step, at the interconnect's bandwidth; None when unknown or when
-    DP attention or pipeline stages (whose traffic the formula does not cover) are in the layout."""
+    """Time one rank's collectives take in the step, at the interconnect's bandwidth (`sequences`: one DP group's);
+    None when unknown or when the layout has what the formulas do not cover: pipeline stages, DP attention on the
+    all-reduce path, DCP on the all-to-all path."""
     if layout.tp == 1:
         return 0.0
-    if interconnect_per_rank is None or layout.dp > 1 or layout.pp > 1:
+    if interconnect_per_rank is None or layout.pp > 1 or (layout.dcp > 1 if layout.a2a else layout.dp > 1):
         return None
     tokens = sequences * tokens_per_sequence
     forward = Forward(tokens, sequences, tokens_per_sequence, context, tokens)
     act_bytes = DTYPES[model.dtype].itemsize
+    if layout.a2a:
+        return _a2a_seconds(model, layout, forward, act_bytes, interconnect_per_rank)
     traffic = {**tp_traffic(model.config, layout.tp, forward, act_bytes),
                **dcp_traffic(model.config, layout.tp, layout.dcp, forward, act_bytes)}
     ranks = {kind: layout.dcp if kind.startswith("dcp") else layout.tp for kind in traffic}
+    return comm_seconds(traffic, ranks, interconnect_per_rank)
+
+
+def _a2a_seconds(model: ModelFacts, layout: Layout, group: Forward, act_bytes: int,
+                 interconnect_per_rank: float) -> float:
+    """Time a rank of the first DP group takes for the all-to-all path's collectives, every group holding `group`:
+    all-reduces and all-gathers over the attention group, the hidden states' gather over the dp groups, and the
+    dispatch and combine (the rows it sends) of the expected pairs of its share of the group's tokens."""
+    config = model.config
+    share = math.ceil(group.tokens / layout.attention_tp)
+    pairs = round(expected_a2a_pairs(config, layout.tp, layout.ep, layout.redundant_experts) * share
+                  * moe_layers(config))
+    traffic = a2a_traffic(config, layout.tp, layout.dp, [group] * layout.dp, 0, act_bytes, pairs, pairs)
+    ranks = {kind: layout.dp if kind.startswith("dp_") else layout.attention_tp if kind.startswith("all_")
+             else layout.tp for kind in traffic}
     return comm_seconds(traffic, ranks, interconnect_per_rank)
 
 

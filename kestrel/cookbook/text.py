@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .moe_traffic import STEP_TOKENS
 from .planner import Plan
 from .recipes import ENGINES, Recipe
 
@@ -29,6 +30,23 @@ def _rate(value: float | None) -> str:
 
 def _us(seconds: float | None) -> str:
     return "unknown" if seconds is None else f"{seconds * 1e6:,.0f} us"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def _moe_path(plan: Plan) -> str:
+    """Which MoE path the plan assumes, and the MoE bytes per token of each path the layout can take."""
+    traffic = plan.moe_bytes_per_token
+    if plan.request.layout.a2a:
+        text = (f"all-to-all (--moe-a2a-backend torch): {_mb(traffic['a2a'])} of MoE traffic per token over all ranks "
+                f"(the all-reduce path: {_mb(traffic['all_reduce'])}, {traffic['a2a'] / traffic['all_reduce']:.2f}x)")
+    else:
+        text = (f"all-reduce (--moe-a2a-backend none): {_mb(traffic['all_reduce'])} of MoE traffic per token over all "
+                "ranks" + (f" (the all-to-all path: {_mb(traffic['a2a'])}, "
+                           f"{traffic['a2a'] / traffic['all_reduce']:.2f}x)" if "a2a" in traffic else ""))
+    return text + f" in a {STEP_TOKENS}-token step"
 
 
 def roofline_caption(plan: Plan) -> str:
@@ -75,6 +93,8 @@ def plan_text(plan: Plan) -> str:
         rows.append(("PD handoff", f"{gb(plan.handoff_bytes)} per {request.avg_request_len:,}-token prompt in kestrel's "
                                    f"layout (pages of latents + indexer keys, plus the {gb(plan.state_bytes_per_slot)} "
                                    f"KDA state): R prompts/s need R x {gb(plan.handoff_bytes)}/s from prefill to decode"))
+    if plan.moe_bytes_per_token:
+        rows.append(("MoE path", _moe_path(plan)))
     rows.append(("fits", ("unknown" if plan.fits is None else "yes" if plan.fits else "no") + f": {plan.fit_reason}"))
     rows.append(("min devices", ", ".join(f"{k} {v if v is not None else 'unknown'}"
                                           for k, v in plan.min_devices.items())))

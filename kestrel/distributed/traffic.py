@@ -188,6 +188,8 @@ def wire_bytes(kind: str, contributed: int, ranks: int) -> float:
     """Bytes a rank sends over the wire for `contributed` input bytes of collective `kind` in a ring of `ranks`."""
     if ranks == 1:
         return 0.0
+    if kind.startswith("a2a_"):          # counted as the rows sent to other ranks
+        return float(contributed)
     if kind.endswith("all_reduce"):
         return 2 * (ranks - 1) / ranks * contributed
     if kind.endswith("all_gather"):

@@ -201,7 +201,8 @@ class RoutedExperts(nn.Module):
             return op(z, slots, weights, self.weights(), self.activation, self.mxfp8_activations)
         local = slots - self.first_slot
         token, k = ((local >= 0) & (local < self.slots)).nonzero(as_tuple=True)     # this rank's pairs
-        self.computed += token.numel()
+        if not torch.compiler.is_dynamo_compiling():
+            self.computed += token.numel()
         pairs = op(z[token], local[token, k].unsqueeze(1), weights[token, k].unsqueeze(1), self.weights(),
                    self.activation, self.mxfp8_activations)
         return torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add(0, token, pairs.float()).to(z.dtype)
@@ -236,7 +237,8 @@ class RoutedExperts(nn.Module):
         if self.load.device != ids.device:
             self.load, self._replicas, self._replica_count = (t.to(ids.device) for t in
                                                               (self.load, self._replicas, self._replica_count))
-        self.load += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        if not torch.compiler.is_dynamo_compiling():        # a compiled step does not count
+            self.load += torch.bincount(ids.flatten(), minlength=self.num_experts)
         if self._identity:
             return ids
         turn = torch.arange(ids.shape[0], device=ids.device)[:, None] + salt + \

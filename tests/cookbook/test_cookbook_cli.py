@@ -89,7 +89,8 @@ def test_matrix_prints_both_tables(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith("# Verification matrix") and "# Claims ledger" in out
     assert run("matrix", "--evidence-dir", str(tmp_path), "--write", str(tmp_path / "docs")) == 0
-    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["claims.md", "hardware.md", "matrix.md"]
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["claims.md", "hardware.md", "matrix.md",
+                                                                     "wide-ep.md"]
 
 
 def test_inspect_and_plan_count_a_ranks_weights_by_the_engines_rules(capsys):

@@ -119,7 +119,7 @@ class RoutedExperts(nn.Module):
     With expert parallelism the experts are held in slots: (E + R) / ep per EP rank (R redundant slots, EPLB's), the
     rank's slots [first_slot, first_slot + slots) of E + R in all. `placement` [E + R] names the (logical) expert
     each slot holds, the same on every rank; it starts as `eplb.initial_placement` (each rank's contiguous share of
-    the experts, its redundant slots copying them) and kestrel.layers.expert_balance moves it. `route` turns the
+    the experts, its redundant slots copying them) and kestrel.engine.expert_balance moves it. `route` turns the
     router's expert ids into slots (a token's replicas chosen round-robin), and the rank computes only the
     token-slot pairs of its own slots. `load` [E] counts the token-expert pairs this rank routed, `computed` the
     pairs it computed, since the balancer last read them.

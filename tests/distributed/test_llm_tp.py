@@ -147,12 +147,14 @@ def one_process_acceptance(expected) -> dict[str, list[int]]:
     return histograms
 
 
-@pytest.mark.parametrize("algorithm,layout", [("NEXTN", {"tp_size": 2, "dcp_size": 2}), ("DFLASH", {"tp_size": 2}),
+@pytest.mark.parametrize("algorithm,layout", [("NEXTN", {"tp_size": 2, "dcp_size": 2}),
+                                              ("DFLASH", {"tp_size": 2, "ep_size": 2, "moe_a2a_backend": "torch"}),
                                               ("NEXTN", {"pp_size": 2}), ("DFLASH", {"pp_size": 2})])
 def test_model_drafters_distributed_draft_what_one_process_drafts(expected, one_process_acceptance, algorithm,
                                                                    layout):
     """NEXTN (the MTP layer, its attention cache split by position under DCP2, its head cut to a token map) and
-    DFLASH (the block draft) at TP2: every rank drafts from its own kept hidden states through the sharded
+    DFLASH (the block draft) at TP2 (the experts over both ranks, tokens dispatched all-to-all, which verification
+    steps go through too): every rank drafts from its own kept hidden states through the sharded
     embedding, layers and LM heads (each rank the map's rows of its share of the vocabulary); over two
     pipeline stages the last stage drafts (with its copy of the embedding) and sends rank 0 the drafts. Greedy
     tokens equal one process's plain ones, and the drafts one process's with the same drafter (equal counts)."""
@@ -231,15 +233,3 @@ def test_wide_ep_all_to_all_with_eplb_greedy_tokens_equal_one_process(expected):
         llm.engine.shutdown()
     assert not multiprocessing.active_children()
 
-
-def test_all_to_all_experts_verify_speculative_drafts_as_one_process(expected):
-    """The all-to-all MoE without DP attention (TP2 x EP2: attention split over both ranks, each dispatching half
-    of every step's tokens) under MTP speculative decoding: the verification steps' tokens are one process's."""
-    llm = LLM(str(BUNDLED_MODEL), tp_size=2, ep_size=2, moe_a2a_backend="torch", speculative_algorithm="NEXTN",
-              **ARGS)
-    try:
-        assert tokens(llm) == expected
-        assert llm.engine.spec_stats.draft_tokens > 0
-    finally:
-        llm.engine.shutdown()
-    assert not multiprocessing.active_children()

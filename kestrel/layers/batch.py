@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -66,7 +67,6 @@ class ForwardBatch:
     state_slots: torch.Tensor | None    # [N] int64, KDA state slot of each sequence
     page_table: torch.Tensor | None     # [N, max_pages] int64, KV pages of each sequence
     kv_write_index: torch.Tensor | None  # [T] int64, flat KV-cache row (page * page_size + offset) of each new token
-    kv_read_index: torch.Tensor | None   # [N, max_total] int64, flat KV-cache row of every position (0 past the end)
     max_new: int                        # longest run of new tokens
     max_total: int                      # longest sequence after this call
     keep_token_states: bool = False     # speculative verification: KDA keeps every token's state, pools untouched
@@ -74,6 +74,7 @@ class ForwardBatch:
     dp_tokens: tuple[int, ...] | None = None  # DP attention: every DP group's new tokens; this batch is this rank's
                                               # group's, the model's stream holds all of them, group by group
     captures: StateCaptures | None = None     # KDA states saved partway through sequences' new tokens
+    page_size: int = 0                  # tokens per KV page (with a page table)
 
     @classmethod
     def build(cls, new_lens: list[int], prefix_lens: list[int] | None = None,
@@ -100,7 +101,7 @@ class ForwardBatch:
         positions = prefix_t[seq_index] + offsets
         max_total = max((a + b for a, b in zip(new_lens, prefix)), default=0)
         pages = _long(page_table, device)
-        write_index = read_index = None
+        write_index = None
         if pages is not None:
             if page_size <= 0 or pages.dim() != 2 or pages.shape[0] != n:
                 raise ValueError("page_table needs one row per sequence and a positive page_size.")
@@ -109,10 +110,6 @@ class ForwardBatch:
                 raise ValueError(f"page_table has {pages.shape[1]} pages per row; the longest sequence needs "
                                  f"{needed}.")
             write_index = kv_rows(pages, seq_index, positions, page_size)
-            all_pos = torch.arange(max_total, device=device).expand(n, max_total)
-            valid = all_pos < (prefix_t + lens).unsqueeze(1)
-            rows = torch.arange(n, device=device).unsqueeze(1).expand(n, max_total)
-            read_index = torch.where(valid, kv_rows(pages, rows, all_pos, page_size), 0)
         return cls(
             cu_seqlens=cu,
             prefix_lens=prefix_t,
@@ -122,12 +119,12 @@ class ForwardBatch:
             state_slots=_long(state_slots, device),
             page_table=pages,
             kv_write_index=write_index,
-            kv_read_index=read_index,
             max_new=max(new_lens, default=0),
             max_total=max_total,
             keep_token_states=keep_token_states,
             uniform=n > 0 and min(new_lens) == max(new_lens) > 0,
             captures=StateCaptures.build(new_lens, list(captures), device) if captures else None,
+            page_size=page_size if pages is not None else 0,
         )
 
     @classmethod
@@ -138,8 +135,7 @@ class ForwardBatch:
         it): prefix_lens [N], state_slots [N], page_table [N, W] int64.
 
         max_total is the table's capacity, W * page_size, an upper bound on every sequence's length; ops sized by
-        it (the paged indexer's scores) mask the positions past each sequence's end. kv_read_index is left out:
-        decode reads the pages directly.
+        it (the paged indexer's scores) mask the positions past each sequence's end.
         """
         n, device = prefix_lens.numel(), prefix_lens.device
         seq_index = torch.arange(n * tokens_per_seq, device=device) // tokens_per_seq
@@ -154,11 +150,11 @@ class ForwardBatch:
             state_slots=state_slots,
             page_table=page_table,
             kv_write_index=kv_rows(page_table, seq_index, positions, page_size),
-            kv_read_index=None,
             max_new=tokens_per_seq,
             max_total=page_table.shape[1] * page_size,
             keep_token_states=tokens_per_seq > 1,
             uniform=True,
+            page_size=page_size,
         )
 
     @property
@@ -173,6 +169,18 @@ class ForwardBatch:
     def stream_tokens(self) -> int:
         """Tokens of the residual stream: every DP group's under DP attention, else this batch's."""
         return self.num_tokens if self.dp_tokens is None else sum(self.dp_tokens)
+
+    @functools.cached_property
+    def kv_read_index(self) -> torch.Tensor | None:
+        """[N, max_total] int64: the flat KV-cache row of every position of every sequence (0 past its end), made
+        on first use: what attention over the gathered context reads (prefill chunks); a decode step reads the
+        pages directly and never builds it (it grows with the context)."""
+        if self.page_table is None:
+            return None
+        n, device = self.num_seqs, self.page_table.device
+        every = torch.arange(self.max_total, device=device).expand(n, self.max_total)
+        rows = torch.arange(n, device=device).unsqueeze(1).expand(n, self.max_total)
+        return torch.where(every < self.seq_lens.unsqueeze(1), kv_rows(self.page_table, rows, every, self.page_size), 0)
 
     @property
     def seq_lens(self) -> torch.Tensor:

@@ -52,6 +52,7 @@ class Runner:
              captures: list[tuple[int, int, int]] = ()) -> list[torch.Tensor]:
         batch = ForwardBatch.build([len(c) for c in chunks], prefix, [self.slots[i] for i in seq_ids],
                                    self.page_table[seq_ids], self.page_size, captures=captures)
+        self.last = batch
         logits = self.model.compute_logits(self.model(torch.cat(chunks), batch, self.cache))
         return list(logits.split([len(c) for c in chunks]))
 
@@ -66,17 +67,21 @@ def test_mixed_length_batch_equals_each_alone(family_model):
 
 
 def test_prefill_then_decode_equals_full_forward(family_model):
+    """... and a decode step reads the pages directly: it never builds the context-wide kv_read_index (which the
+    prefill's attention over the gathered context reads)."""
     model, _ = family_model
     seqs = random_sequences(LENGTHS, model.config.vocab_size)
     prompt = [1, 3, 33, 66]
     runner = Runner(model, len(seqs), max(LENGTHS))
     got = runner.step(list(range(len(seqs))), [s[:p] for s, p in zip(seqs, prompt)], [0] * len(seqs))
+    assert "kv_read_index" in vars(runner.last)
     outputs = [[g] for g in got]
     for pos in range(1, max(LENGTHS)):
         live = [i for i, s in enumerate(seqs) if prompt[i] <= pos < len(s)]
         if live:
             for i, g in zip(live, runner.step(live, [seqs[i][pos:pos + 1] for i in live], [pos] * len(live))):
                 outputs[i].append(g)
+            assert "kv_read_index" not in vars(runner.last)
     for seq, parts in zip(seqs, outputs):
         torch.testing.assert_close(torch.cat(parts), logits_alone(model, seq), atol=ATOL, rtol=0)
 

@@ -2,7 +2,8 @@
 
 Each oracle below is the spec's formula typed out in float64 from the module's own weights (never through kestrel's
 helper functions); the kestrel module runs in float32 on the same inputs. Spec sections: SiTU-GLU (3), the full-rank
-KDA output gate inside the whole KDA layer (4.1-4.3), the gated NoPE MLA (5.1), the latent MoE with its norm (6, with
+KDA output gate inside the whole KDA layer (4.1-4.3), the gated NoPE MLA (5.1; K3.1's sparse form through the paged
+cache against transformers' DeepSeek-V3.2 indexer and the masked formula), the latent MoE with its norm (6, with
 MXFP4 experts decoded as in 7.2), and the AttnRes residual stream of a whole model (3).
 """
 
@@ -16,6 +17,7 @@ from helpers import tiny_model
 from kestrel.config import KDA, MLA
 from kestrel.layers.activation import glu_activation
 from kestrel.layers.batch import ForwardBatch
+from kestrel.layers.cache import HybridCache
 from kestrel.layers.kda import KimiDeltaAttention
 from kestrel.layers.mla import ABSORBED, PLAIN, GatedMLA
 from kestrel.layers.moe import MoE
@@ -160,9 +162,10 @@ def test_kda_layer_with_full_rank_output_gate_matches_the_spec():
 
 # ---------------------------------------------------------------------------------------------- MLA (spec 5.1)
 
-def mla_oracle(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
+def mla_oracle(layer: GatedMLA, x: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Spec 5.1 for one sequence x [T, hidden] (float64): NoPE MLA with the head-shared key part, causal softmax
-    attention scaled by qk_head_dim^-0.5, and the output gate sigmoid(g_proj x) applied before o_proj.
+    attention scaled by qk_head_dim^-0.5 (masked further to `allowed` [T, T] when given: a sparse layer's selection),
+    and the output gate sigmoid(g_proj x) applied before o_proj.
 
     The q_a/kv_a RMSNorm eps is the module's own: the spec leaves it unresolved (1e-5 or 1e-6, section 11.5)."""
     steps, heads = x.shape[0], layer.num_heads
@@ -176,6 +179,8 @@ def mla_oracle(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
     v = kv[..., nope:]
     scores = torch.einsum("thd,shd->hts", q, k) * (nope + shared) ** -0.5
     causal = torch.ones(steps, steps, dtype=torch.bool).tril()
+    if allowed is not None:
+        causal = causal & allowed
     attn = torch.einsum("hts,shv->thv", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
     gated = attn.reshape(steps, heads * v_dim) * torch.sigmoid(linear(x, layer.g_proj))
     return linear(gated, layer.o_proj)
@@ -194,6 +199,59 @@ def test_gated_mla_matches_the_spec(form: str):
     x = random_input(batch.num_tokens, model.config.hidden_size, seed=7)
     expected = torch.cat([mla_oracle(layer, x[s].double()) for s in sequences])
     assert_matches(layer(x, batch), expected)
+
+
+SPARSE_CONTEXT, SPARSE_TOPK, TIE_GAP = 96, 8, 1e-5
+"""The sparse test's context (12x index_topk), and the least gap between a query's 8th and 9th index scores for
+which float32 surely selects what float64 selects: their scores differ by at most 9.5e-7 here (measured)."""
+
+
+@torch.no_grad()
+def test_sparse_mla_through_the_paged_cache_matches_the_deepseek_v32_formulation():
+    """K3.1's sparse MLA far above index_topk (96 tokens, top-8), run as the engine runs it: a 40-token prefill
+    chunk into a paged cache (pages out of order), a 30-token chunk over that cached prefix (what a prefix hit
+    runs), then 26 decode steps. Oracle, float64: transformers' DeepSeek-V3.2 indexer, on the layer's indexer
+    weights, picks each query's top-8 of its causal keys, and spec 5.1's attention is masked to them. Queries whose
+    8th and 9th scores lie within TIE_GAP are left out of the comparison: a rounding may swap those, and exact ties
+    (the indexer's ReLU makes many scores 0) the formulation leaves open (transformers' topk breaks them
+    arbitrarily, kestrel by position). 75 of the 96 queries remain."""
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+
+    model, _ = tiny_model("k3.1-tiny", dsa_config={"index_n_heads": 2, "index_head_dim": 16,
+                                                   "index_topk": SPARSE_TOPK, "dsa_layers": [4, 6],
+                                                   "index_k_norm_bias": True})
+    randomize_norm_weights(model, seed=8)
+    layer = next(m for m in model.modules() if isinstance(m, GatedMLA) and m.indexer is not None)
+    config, t, page = model.config, SPARSE_CONTEXT, 4
+    x = random_input(t, config.hidden_size, seed=9)
+    cache = HybridCache.allocate(config, num_slots=1, num_pages=t // page + 3, page_size=page, dtype=torch.float32)
+    table = torch.randperm(t // page + 3, generator=torch.Generator().manual_seed(10))[:t // page].view(1, -1)
+    outputs = []
+    for start, length in [(0, 40), (40, 30)] + [(p, 1) for p in range(70, t)]:
+        batch = ForwardBatch.build([length], [start], [0], table, page)
+        outputs.append(layer(x[start:start + length], batch, cache))
+    got = torch.cat(outputs)
+
+    theirs = DeepseekV32Indexer(DeepseekV32Config(
+        hidden_size=config.hidden_size, q_lora_rank=config.q_lora_rank, index_n_heads=2, index_head_dim=16,
+        index_topk=SPARSE_TOPK, qk_rope_head_dim=0), layer_idx=0).double()
+    theirs.load_state_dict(layer.indexer.state_dict())
+    x64 = x.double()
+    c_q = rms_norm(linear(x64, layer.q_a_proj), layer.q_a_layernorm.weight, layer.q_a_layernorm.eps)
+    causal = torch.ones(1, t, t, dtype=torch.bool).tril()
+    empty = torch.zeros(1, t, 0, dtype=torch.float64)
+    picked = theirs(x64[None], c_q[None], (empty, empty), causal, None).long()[0]
+    allowed = torch.zeros(t, t, dtype=torch.bool).scatter_(1, picked, True)
+    assert (allowed & causal[0]).sum(-1).max() == SPARSE_TOPK            # the cut binds: attention is sparse
+
+    scores = layer.indexer.double().scores(x64, c_q, layer.indexer.keys(x64)[None], ForwardBatch.build([t]),
+                                           causal)[0]
+    layer.indexer.float()
+    top = scores.masked_fill(~causal[0], float("-inf")).sort(dim=-1, descending=True).values
+    clear = (top[:, SPARSE_TOPK - 1] - top[:, SPARSE_TOPK] > TIE_GAP) | (torch.arange(t) < SPARSE_TOPK)
+    assert clear.sum() >= 0.75 * t
+    assert_matches(got[clear], mla_oracle(layer, x64, allowed)[clear])
 
 
 # ---------------------------------------------------------------------------------------------- latent MoE (spec 6)

@@ -214,7 +214,8 @@ def test_sparse_mla_through_the_paged_cache_matches_the_deepseek_v32_formulation
     weights, picks each query's top-8 of its causal keys, and spec 5.1's attention is masked to them. Queries whose
     8th and 9th scores lie within TIE_GAP are left out of the comparison: a rounding may swap those, and exact ties
     (the indexer's ReLU makes many scores 0) the formulation leaves open (transformers' topk breaks them
-    arbitrarily, kestrel by position). 75 of the 96 queries remain."""
+    arbitrarily, kestrel by position; the gaps are read from the layer's own indexer run in float64). 75 of the 96
+    queries remain."""
     from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 

@@ -32,7 +32,8 @@ HELP = {
     "kv_cache_dtype": "MLA latent cache: auto (the model's dtype), bfloat16 or fp8_e4m3",
     "max_running_requests": "most sequences decoding at once (default: what the pools allow)",
     "page_size": "tokens per KV page",
-    "context_length": "longest sequence (default: the model's max_position_embeddings)",
+    "context_length": "longest sequence (default: the model's max_position_embeddings, capped by the KV pool); above the "
+                      "trained length too (the family has no RoPE), refused at start-up when the KV pool cannot hold it",
     "max_prompt_tokens": "longer prompts are refused (default: the context length)",
     "chunked_prefill_size": "most prompt tokens of one request per step",
     "max_prefill_tokens": "most tokens (prefill and decode) in one step",

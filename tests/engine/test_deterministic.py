@@ -14,7 +14,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.engine.args import BUNDLED_MODEL, EngineArgs
 from kestrel.engine.engine import LLMEngine
 from kestrel.engine.outputs import RequestOutput
-from conftest import VOCAB, write_model
+from helpers import VOCAB, write_model
 
 PAGE = 4
 

@@ -13,7 +13,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.config import load_config
 from kestrel.engine.args import EngineArgs
-from kestrel.engine.cache.planner import plan_memory
+from kestrel.engine.cache.planner import MemoryPlanError, plan_memory
 from kestrel.layers.batch import ForwardBatch
 from kestrel.layers.cache import FP8, HybridCache, kv_bytes_per_token
 
@@ -53,6 +53,24 @@ def test_the_plan_gives_the_mtp_layers_share_to_more_tokens():
     assert drafting.kv_tokens == kv_budget // ((BF16_PER_TOKEN + MTP_BF16_PER_TOKEN) * page) * page
     assert serving.kv_tokens / drafting.kv_tokens == pytest.approx(1088 / 768, rel=1e-3)
     assert "MTP layers: 1" in drafting.describe() and "MTP" not in serving.describe()
+
+
+def test_a_context_length_the_kv_pool_cannot_hold_is_refused():
+    """--context-length beyond the trained length runs while the KV pool holds it (no RoPE to rescale), and is refused
+    with the sizes when it does not; without the flag the context is the model's, capped by the pool."""
+    config = load_config(BUNDLED)
+    memory, weights, dtypes = 2**30, 12 * 2**20, (torch.bfloat16, torch.float32, torch.bfloat16)
+    held = plan_memory(config, EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5), weights, memory,
+                       *dtypes).kv_tokens
+    assert held > config.max_position_embeddings
+    longer = plan_memory(config, EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5, context_length=held),
+                         weights, memory, *dtypes)
+    assert longer.context_length == held
+    with pytest.raises(MemoryPlanError, match=f"--context-length {held + 1:,} needs .* but the plan holds {held:,}"):
+        plan_memory(config, EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5, context_length=held + 1),
+                    weights, memory, *dtypes)
+    small = EngineArgs(model=str(BUNDLED), mem_fraction_static=0.5, max_total_tokens=1024)
+    assert plan_memory(config, small, weights, memory, *dtypes).context_length == 1024
 
 
 @pytest.mark.parametrize("kv_dtype,per_token", [(torch.bfloat16, BF16_PER_TOKEN), (FP8, FP8_PER_TOKEN)])

@@ -153,7 +153,13 @@ def plan_memory(config: ModelConfig, args: EngineArgs, weight_bytes: int, memory
         raise MemoryPlanError(f"{rest / 2**30:.3f} GiB after the weights holds {slots} state slots of "
                               f"{per_slot:,} B and {pages} KV pages of {args.page_size} x {per_token:,} B; at least "
                               "one of each is needed: raise --mem-fraction-static or change the state:KV ratio.")
-    context = min(args.context_length or config.max_position_embeddings, pages * args.page_size)
+    held = pages * args.page_size
+    if args.context_length is not None and args.context_length > held:
+        raise MemoryPlanError(f"--context-length {args.context_length:,} needs {args.context_length:,} tokens of "
+                              f"KV cache ({args.context_length * per_token / 2**30:.2f} GiB at {per_token:,} B per "
+                              f"token) for one sequence, but the plan holds {held:,}: lower --context-length, or "
+                              "raise --mem-fraction-static, or lower --mamba-full-memory-ratio (more of it for KV).")
+    context = min(args.context_length or config.max_position_embeddings, held)
     return MemoryPlan(device_memory=memory, budget=budget, weight_bytes=weight_bytes, state_bytes_per_slot=per_slot,
                       kv_bytes_per_token=per_token, mtp_layers=mtp_layers, verify_tokens=verify,
                       token_state_bytes=token_state, num_slots=slots, num_pages=pages,

@@ -87,9 +87,8 @@ class ParallelLayout:
             for bad, what in refused:
                 if bad:
                     raise ValueError(f"--moe-a2a-backend {args.moe_a2a_backend} does not run with {what}.")
-        redundant = args.ep_num_redundant_experts if args.enable_eplb else 0
         layout = cls(args.tp_size, args.ep_size, rank, args.pp_size, args.dcp_size, dp,
-                     args.moe_a2a_backend != "none", redundant)
+                     args.moe_a2a_backend != "none", args.ep_num_redundant_experts)
         if layout.world_size % args.nnodes:
             raise ValueError(f"{layout.world_size} ranks cannot be spread evenly over {args.nnodes} nodes; make "
                              "--tp-size x --pp-size a multiple of --nnodes.")

@@ -224,6 +224,8 @@ class EngineArgs:
             (self.ep_num_redundant_experts >= 0, "ep_num_redundant_experts", "at least 0"),
             (self.eplb_rebalance_num_iterations >= 1, "eplb_rebalance_num_iterations", "at least 1"),
             (not self.enable_eplb or self.ep_size > 1, "enable_eplb", "set only with --ep-size above 1"),
+            (not self.ep_num_redundant_experts or self.enable_eplb, "ep_num_redundant_experts",
+             "set only with --enable-eplb (the rebalances fill them)"),
             (self.pp_size >= 1, "pp_size", "at least 1"),
             (self.nnodes >= 1, "nnodes", "at least 1"),
             (0 <= self.node_rank < self.nnodes, "node_rank", "in [0, nnodes)"),

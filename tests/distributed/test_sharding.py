@@ -57,6 +57,19 @@ def test_partition_keeps_whole_units():
     assert [partition(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
 
 
+def test_the_all_to_all_moe_splits_dense_mlps_and_shared_experts_over_the_attention_group():
+    """The "ffn" axis: the whole TP group on the all-reduce path, the rank's DP attention group with the
+    all-to-all MoE (every rank holds them whole at DP = TP); experts by EP either way, redundant slots included."""
+    layout = ParallelLayout(4, 4, 3, dp_size=2)
+    a2a = ParallelLayout(4, 4, 3, dp_size=2, moe_a2a=True, redundant_experts=4)
+    assert layout.axis("ffn") == (3, 4) and a2a.axis("ffn") == (1, 2) and a2a.axis("ep") == layout.axis("ep")
+    assert ParallelLayout(4, 4, 3, dp_size=4, moe_a2a=True).axis("ffn") == (0, 1)
+    assert (layout.slots_per_rank(8), a2a.slots_per_rank(8)) == (2, 3)
+    mlp = "model.layers.0.mlp.gate_proj.weight"
+    assert local_slices(mlp, (96, 64), layout)[0] == slice(72, 96)
+    assert local_slices(mlp, (96, 64), a2a)[0] == slice(48, 96)
+
+
 def test_layouts_kestrel_cannot_run_are_refused():
     config = parse_config(tiny_config("k3.1-tiny"))            # 32-wide MXFP4 experts: one block
     with pytest.raises(ValueError, match="intermediate width 32 into 2 parts of whole MXFP4 blocks"):
@@ -75,7 +88,14 @@ def test_layouts_kestrel_cannot_run_are_refused():
     ({"dp_size": 2, "enable_dp_attention": True, "speculative_algorithm": "NGRAM"},
      "DP attention does not run with --speculative-algorithm"),
     ({"dcp_size": 4}, r"dcp_size \(4\) must divide the attention TP size \(2\)"),
-    ({"dcp_size": 2, "page_size": 3}, "must be a multiple of --dcp-size 2"), ({"nnodes": 2}, "needs --dist-init-addr")])
+    ({"dcp_size": 2, "page_size": 3}, "must be a multiple of --dcp-size 2"), ({"nnodes": 2}, "needs --dist-init-addr"),
+    ({"moe_a2a_backend": "torch"}, "does not run with --ep-size 1"),
+    ({"moe_a2a_backend": "torch", "ep_size": 2, "dcp_size": 2}, "does not run with --dcp-size"),
+    ({"moe_a2a_backend": "deepep"}, "moe_a2a_backend must be none or torch"),
+    ({"enable_eplb": True}, "enable_eplb must be set only with --ep-size above 1"),
+    ({"ep_size": 2, "ep_num_redundant_experts": 2}, "set only with --enable-eplb"),
+    ({"ep_size": 2, "enable_eplb": True, "ep_num_redundant_experts": 3}, "must split evenly over ep_size 2"),
+    ({"ep_size": 2, "moe_a2a_backend": "torch", "enable_torch_compile": True}, "run eagerly")])
 def test_engine_refuses_parallelism_it_does_not_implement(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(BUNDLED_MODEL), tp_size=2, **kwargs)

@@ -40,9 +40,9 @@ from ..ops import batch_invariant
 from . import deterministic
 from .args import DTYPES, KV_DTYPES, MODEL_DRAFTERS, SSM_DTYPES, EngineArgs
 from .cache.device_ops import DeviceOps
-from .expert_balance import ExpertBalancer
 from .cache.page_table import PageTable
 from .cache.planner import MemoryPlan, MemoryPlanError, device_memory, plan_memory
+from .expert_balance import ExpertBalancer
 from .handoff import HandoffLayout
 from .model_runner import Draft, ModelRunner, Save
 from .speculative.block import BlockDrafter

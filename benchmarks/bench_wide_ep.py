@@ -21,6 +21,7 @@ Run: .venv/bin/python benchmarks/bench_wide_ep.py
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -122,7 +123,7 @@ def skewed(folder: Path, out: Path) -> Path:
     for name, p in model.named_parameters():
         if name.endswith("e_score_correction_bias"):
             p.data[list(HOT)] += HOT_BIAS
-    save_model(model, out, config_json=__import__("json").loads((folder / "config.json").read_text()))
+    save_model(model, out, config_json=json.loads((folder / "config.json").read_text()))
     return out
 
 

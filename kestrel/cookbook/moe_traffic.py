@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
-from ..distributed.traffic import expected_a2a_pairs, wire_bytes
+from ..distributed.traffic import a2a_moe_traffic, expected_a2a_pairs, moe_reduce_width, routed_width, wire_bytes
 
 PATHS = ("all_reduce", "a2a")
 STEP_TOKENS = 256
@@ -43,11 +43,9 @@ def moe_bytes_per_token(config: ModelConfig, tp: int, ep: int, dp: int, path: st
     if tp < 1 or dp < 1 or tp % dp or ep < 1 or tp % ep or tokens < 1:
         raise ValueError(f"tp {tp}, ep {ep}, dp {dp} and {tokens} tokens do not make a layout (ep and dp divide tp).")
     layers, hidden = moe_layers(config), config.hidden_size
-    latent = config.routed_expert_hidden_size is not None
-    width = config.expert_dim if latent else hidden                       # a routed row on the wire
     if path == "all_reduce":
-        row = width + (hidden if latent and config.num_shared_experts else 0)
-        return wire_bytes("all_reduce", layers * tokens * row * act_bytes, tp) * tp / tokens
+        contributed = layers * tokens * moe_reduce_width(config) * act_bytes
+        return wire_bytes("all_reduce", contributed, tp) * tp / tokens
     if ep == 1:
         raise ValueError("the all-to-all path needs expert parallelism (ep above 1): with ep 1 every rank holds every "
                          "expert and nothing is dispatched.")
@@ -55,13 +53,11 @@ def moe_bytes_per_token(config: ModelConfig, tp: int, ep: int, dp: int, path: st
     group = math.ceil(tokens / dp)
     share = math.ceil(group / attn_tp)
     pairs = expected_a2a_pairs(config, tp, ep, redundant) * share * layers
-    per_rank = (pairs * (width * act_bytes + 8 * config.num_experts_per_token)     # dispatch
-                + pairs * width * act_bytes                                        # combine
-                + layers * 8 * (tp - 1))                                           # counts
+    per_rank = sum(a2a_moe_traffic(config, tp, act_bytes, pairs, pairs).values())
     if attn_tp > 1:
         if config.num_shared_experts:
             per_rank += wire_bytes("all_reduce", layers * group * hidden * act_bytes, attn_tp)
-        per_rank += wire_bytes("all_gather", layers * share * width * act_bytes, attn_tp)
+        per_rank += wire_bytes("all_gather", layers * share * routed_width(config) * act_bytes, attn_tp)
     return per_rank * tp / tokens
 
 

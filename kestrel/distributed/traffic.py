@@ -98,9 +98,7 @@ def _tp_traffic(config: ModelConfig, tp: int, attn_tp: int, whole: Forward, own:
     t, hidden = whole.tokens, config.hidden_size
     moe = _moe_layers(config)
     dense = config.num_hidden_layers - moe
-    latent = config.routed_expert_hidden_size is not None
-    moe_width = (config.expert_dim + (hidden if config.num_shared_experts else 0)) if latent else hidden
-    rows = dense * t * hidden + moe * t * moe_width
+    rows = dense * t * hidden + moe * t * moe_reduce_width(config)
     scores = logits = 0
     if attn_tp > 1:
         rows += ((len(config.kda_layers) + len(config.mla_layers)) * own.tokens + t) * hidden
@@ -110,6 +108,28 @@ def _tp_traffic(config: ModelConfig, tp: int, attn_tp: int, whole: Forward, own:
     return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
 
 
+def moe_reduce_width(config: ModelConfig) -> int:
+    """Values per token of a MoE layer's all-reduce: the latent routed sum and the shared experts' output (latent
+    MoE), or the hidden output."""
+    if config.routed_expert_hidden_size is None:
+        return config.hidden_size
+    return config.expert_dim + (config.hidden_size if config.num_shared_experts else 0)
+
+
+def routed_width(config: ModelConfig) -> int:
+    """Values of a routed expert's input row: the latent width of a latent MoE, else the hidden width."""
+    return config.expert_dim if config.routed_expert_hidden_size is not None else config.hidden_size
+
+
+def a2a_moe_traffic(config: ModelConfig, tp: int, act_bytes: int, pairs_sent: float,
+                    pairs_returned: float) -> dict[str, float]:
+    """The all-to-all collectives' bytes from one rank in one forward (module docstring): dispatch, combine and the
+    row counts, given its pairs over all MoE layers."""
+    width = routed_width(config) * act_bytes
+    return {"a2a_dispatch": pairs_sent * (width + 8 * config.num_experts_per_token),
+            "a2a_combine": pairs_returned * width, "a2a_counts": _moe_layers(config) * 8 * (tp - 1)}
+
+
 def a2a_traffic(config: ModelConfig, tp: int, dp: int, groups: list[Forward], mine: int, act_bytes: int,
                 pairs_sent: int, pairs_returned: int) -> dict[str, int]:
     """Bytes a rank of DP group `mine` contributes in one forward with the all-to-all MoE (module docstring), given
@@ -117,18 +137,16 @@ def a2a_traffic(config: ModelConfig, tp: int, dp: int, groups: list[Forward], mi
     layers."""
     attn_tp, own, hidden = tp // dp, groups[mine], config.hidden_size
     moe = _moe_layers(config)
-    width = config.expert_dim if config.routed_expert_hidden_size is not None else hidden
-    out = {"a2a_dispatch": pairs_sent * (width * act_bytes + 8 * config.num_experts_per_token),
-           "a2a_combine": pairs_returned * width * act_bytes, "a2a_counts": moe * 8 * (tp - 1)}
+    out = a2a_moe_traffic(config, tp, act_bytes, pairs_sent, pairs_returned)
     if attn_tp > 1:
-        layers = config.num_hidden_layers          # every layer's attention, the embedding, the dense MLPs and
-        ffns = layers - moe + (moe if config.num_shared_experts else 0)     # the MoE layers' shared experts
-        rows = (layers + 1 + ffns) * own.tokens * hidden
+        # over the group: each layer's attention, the embedding, the dense MLPs and the MoE layers' shared experts
+        ffns = config.num_hidden_layers - moe + (moe if config.num_shared_experts else 0)
+        rows = (config.num_hidden_layers + 1 + ffns) * own.tokens * hidden
         scores = len(config.mla_layers) * own.sequences * own.longest_new * own.longest_total * SCORE_BYTES \
             if config.has_indexer else 0
         whole_rows = sum(g.logit_rows for g in groups)
         out["all_reduce"] = rows * act_bytes + scores
-        out["all_gather"] = moe * -(-own.tokens // attn_tp) * width * act_bytes + \
+        out["all_gather"] = moe * -(-own.tokens // attn_tp) * routed_width(config) * act_bytes + \
             whole_rows * -(-config.vocab_size // attn_tp) * LOGIT_BYTES
     if dp > 1:
         out["dp_all_gather"] = max(g.tokens for g in groups) * hidden * act_bytes

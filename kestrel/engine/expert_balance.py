@@ -49,12 +49,12 @@ class ExpertBalancer:
         if self.par.group is not None:
             dist.all_gather(every, computed, group=self.par.group)
         self.rank_load = [int(c) for c in every[::layout.moe_tp_size]]       # one rank per EP group
-        for layer in self.layers:
-            load = layer.load.cpu().clone()
-            if self.par.group is not None:
-                dist.all_reduce(load, group=self.par.group)
-            if not layout.moe_a2a:       # every rank routed every token
-                load //= layout.tp_size
+        loads = torch.stack([layer.load.cpu() for layer in self.layers])      # [layers, E]
+        if self.par.group is not None:
+            dist.all_reduce(loads, group=self.par.group)
+        if not layout.moe_a2a:       # every rank routed every token
+            loads //= layout.tp_size
+        for layer, load in zip(self.layers, loads):
             if self.rebalance:
                 new = eplb.place(load, layout.ep_size, layer.slots, current=layer.placement)
                 self._move(layer, new)
@@ -92,13 +92,11 @@ class ExpertBalancer:
         sent = [sum(1 for r, _ in sends if r == peer) for peer in range(layout.tp_size)]
         received = [sum(1 for r, _ in receives if r == peer) for peer in range(layout.tp_size)]
         for tensor in layer.slot_tensors().values():
-            rows = tensor[[s for _, s in sends]] if sends else tensor[:0]
+            rows = tensor[[s for _, s in sends]]
             if crossing:
                 rows = self.par.all_to_all(rows, sent, received, "eplb")
             moved = tensor.clone()
-            for dst, src in local:
-                moved[dst] = tensor[src]
-            for (_, dst), row in zip(receives, rows):
-                moved[dst] = row
+            moved[[dst for dst, _ in local]] = tensor[[src for _, src in local]]
+            moved[[dst for _, dst in receives]] = rows
             tensor.data = moved
         layer.refresh_copies()

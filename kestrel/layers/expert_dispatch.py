@@ -32,9 +32,9 @@ def destinations(slots: torch.Tensor, slots_per_rank: int, par: Parallel) -> tup
     """The tokens to send, rank by rank (token indices [pairs]), and how many go to each TP rank, for slots [T, k]:
     token t goes once to every rank of each EP group holding one of its slots."""
     layout = par.layout
-    hit = torch.zeros(slots.shape[0], layout.ep_size, dtype=torch.bool, device=slots.device)
-    hit.scatter_(1, slots // slots_per_rank, True)
-    per_group = [hit[:, g].nonzero().squeeze(1) for g in range(layout.ep_size)]
+    hit = torch.zeros(layout.ep_size, slots.shape[0], dtype=torch.bool, device=slots.device)
+    hit.scatter_(0, (slots // slots_per_rank).t(), True)
+    per_group = hit.nonzero()[:, 1].split(hit.sum(1).tolist())           # each EP group's tokens, in order
     groups = [r // layout.moe_tp_size for r in range(layout.tp_size)]
     return torch.cat([per_group[g] for g in groups]), [per_group[g].numel() for g in groups]
 

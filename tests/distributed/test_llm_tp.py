@@ -221,10 +221,11 @@ def test_pd_handoffs_between_instances_of_different_layouts(expected):
 def test_wide_ep_all_to_all_with_eplb_greedy_tokens_equal_one_process(expected):
     """WideEP at TP2: two DP attention groups, the experts split over both ranks with two redundant slots, every
     token's routed-expert input dispatched all-to-all to the rank of the slot it chose, EPLB rebalancing every 3
-    steps while the requests run (their tokens unchanged, none lost)."""
+    steps while the requests run (their tokens unchanged, none lost; the experts' dense float32 copies made again
+    from the moved MXFP4 weights)."""
     llm = LLM(str(BUNDLED_MODEL), tp_size=2, ep_size=2, dp_size=2, enable_dp_attention=True,
               moe_a2a_backend="torch", enable_eplb=True, ep_num_redundant_experts=2, eplb_rebalance_num_iterations=3,
-              **ARGS)
+              moe_dense_experts="float32", **ARGS)
     try:
         assert tokens(llm) == expected
         balancer = llm.engine.runner.balancer

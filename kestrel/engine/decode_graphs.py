@@ -59,7 +59,8 @@ from .cache.page_table import PageTable
 
 log = logging.getLogger("kestrel")
 
-DECODE_OPS = ("kda_decode", "paged_mla_decode", "paged_indexer_scores", "moe_experts", "attn_res_mix_norm")
+DECODE_OPS = ("kda_decode", "paged_mla_decode", "paged_indexer_scores", "paged_indexer_topk", "moe_experts",
+              "attn_res_mix_norm")
 """The dispatched ops a decode step runs."""
 
 

@@ -19,7 +19,7 @@ from ..ops.torch.indexer import topk_positions
 from ..distributed.parallel import SINGLE, Parallel
 from . import dcp
 from .batch import ForwardBatch
-from .cache import HybridCache
+from .cache import HybridCache, PagedRows
 from .linear import Linear, LinearGroup
 from .norm import RMSNorm
 from .parallel import RowParallelLinear
@@ -69,6 +69,18 @@ class LightningIndexer(nn.Module):
         """Index scores [N, L, S] fp32 (-inf where mask is False) of the new tokens against context_keys [N, S, D]."""
         q, weights = self.queries(x, q_latent)
         return self.reduce(ops.indexer_scores(batch.to_padded(q), context_keys, batch.to_padded(weights), mask))
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: PagedRows, batch: ForwardBatch, page_size: int,
+               tokens_per_seq: int) -> torch.Tensor:
+        """The topk positions [T, min(topk, max_total)] int64 (best first, -1 past a token's visible keys) of the new
+        tokens x [T, hidden] among their sequences' cached index keys (the new ones written): one selection op
+        with all heads here, the partial scores summed over the ranks first otherwise."""
+        args = (*self.queries(x, q_latent), keys.values, keys.scales, batch.page_table, page_size, batch.seq_index,
+                batch.positions, batch.max_total)
+        if self.par.tp_size == 1:
+            return backend.get_op("paged_indexer_topk", x.device)(*args, self.topk, tokens_per_seq)
+        scores = backend.get_op("paged_indexer_scores", x.device)(*args, tokens_per_seq)
+        return topk_positions(self.reduce(scores), self.topk)
 
 
 class GatedMLA(nn.Module):
@@ -122,7 +134,7 @@ class GatedMLA(nn.Module):
 
         if cache is not None and self.par.layout.dcp_size > 1:
             o = self._context_parallel(x, q, q_latent, latent, index_keys, batch, cache)
-        elif cache is not None and self._absorbed_form(batch) and index_scores_out is None and attention_out is None:
+        elif cache is not None and self._paged_form(batch) and index_scores_out is None and attention_out is None:
             o = self._absorbed_paged(x, q, q_latent, latent, index_keys, batch, cache)
         else:
             o = self._attend_context(x, q, q_latent, latent, index_keys, batch, cache, index_scores_out,
@@ -169,17 +181,15 @@ class GatedMLA(nn.Module):
 
     def _absorbed_paged(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, latent: torch.Tensor,
                         index_keys: torch.Tensor | None, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        """The absorbed form straight over the pages (decode): q [T, H, 192] -> [T, H, v_dim]."""
+        """The absorbed form straight over the pages (decode steps, and every step of a sparse layer past its
+        top-k): q [T, H, 192] -> [T, H, v_dim]."""
         pages = cache.mla[self.mla_index]
         pages.latent.write(batch.kv_write_index, latent)
         group = batch.max_new if batch.uniform else 1      # a verification of equal drafts reads each context once
         selected = None
         if self.indexer is not None:
             pages.index_keys.write(batch.kv_write_index, index_keys)
-            scores = self.indexer.reduce(backend.get_op("paged_indexer_scores", x.device)(
-                *self.indexer.queries(x, q_latent), pages.index_keys.values, pages.index_keys.scales,
-                batch.page_table, cache.page_size, batch.seq_index, batch.positions, batch.max_total, group))
-            selected = topk_positions(scores, self.indexer.topk)
+            selected = self.indexer.select(x, q_latent, pages.index_keys, batch, cache.page_size, group)
         w_uk, w_uv = self._absorption()
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_full = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)
@@ -241,7 +251,8 @@ class GatedMLA(nn.Module):
 
     def _sparse(self, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor | None, context: torch.Tensor,
                 context_keys: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Attention over the indexer's top-k keys only, when the context holds more: q [T, H, 192], context
+        """Attention over the indexer's top-k keys only, when the context holds more (without a cache; with one,
+        `_absorbed_paged` reads the selected latents in place): q [T, H, 192], context
         [N, S, 576], context_keys [N, S, D] -> [N, L, H, v_dim]. The indexer scores its keys block by block
         (`ops.indexer_topk`) and each query reads its own top-k latents in the absorbed form (DeepSeek-V3.2's sparse
         MQA mode; the plain form would expand K keys per query and head), so neither a [L, S] score matrix nor
@@ -259,6 +270,12 @@ class GatedMLA(nn.Module):
 
     def _absorbed_form(self, batch: ForwardBatch) -> bool:
         return self.form == ABSORBED or (self.form == AUTO and (batch.max_new == 1 or batch.keep_token_states))
+
+    def _paged_form(self, batch: ForwardBatch) -> bool:
+        """Whether a step with a cache attends straight over the pages (`_absorbed_paged`): in the absorbed form,
+        and whenever the indexer keeps fewer keys than the context holds (each token then reads its selected
+        latents only, where the gathered context would grow with it)."""
+        return self._absorbed_form(batch) or (self.indexer is not None and batch.max_total > self.indexer.topk)
 
     def _context(self, latent: torch.Tensor, index_keys: torch.Tensor | None, batch: ForwardBatch,
                  cache: HybridCache | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -4,7 +4,7 @@ otherwise, unless a choice is forced.
 Ops come in families that one flag forces together (`--attention-backend triton`, `--moe-backend torch`, ...):
 
     kda:        kda_decode, kda_prefill
-    attention:  paged_mla_decode, paged_indexer_scores
+    attention:  paged_mla_decode, paged_indexer_scores, paged_indexer_topk
     moe:        moe_experts
     norm:       attn_res_mix_norm
 
@@ -48,6 +48,7 @@ OPS = {
     "kda_prefill": OpEntry("kda", "kda_prefill", "kda_prefill"),
     "paged_mla_decode": OpEntry("attention", "paged_attention", "mla_decode"),
     "paged_indexer_scores": OpEntry("attention", "paged_indexer", "indexer"),
+    "paged_indexer_topk": OpEntry("attention", "paged_indexer", "indexer"),
     "moe_experts": OpEntry("moe", "moe", "moe"),
     "attn_res_mix_norm": OpEntry("norm", "attn_res", "attn_res"),
 }

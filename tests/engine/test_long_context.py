@@ -50,9 +50,9 @@ def plain_forward(llm: LLM, prompt: list[int], output: list[int]) -> tuple[torch
 class IndexerSelections:
     """The indexer's top-k choices of one sequence's run, per indexed MLA layer: the positions each token attends.
 
-    The model's indexed layers are called in turn on every forward (chunked prefill through `ops.indexer_topk`, or
-    `ops.topk_mask` where the context holds at most top-k keys; decode through `topk_positions`), so the n-th call
-    belongs to layer n % layers and covers its next tokens."""
+    The model's indexed layers are called in turn on every forward (with a cache through `LightningIndexer.select`
+    where the context holds more than top-k keys, else `ops.topk_mask`; without one, `ops.indexer_topk`), so the n-th
+    call belongs to layer n % layers and covers its next tokens."""
 
     def __init__(self, llm: LLM):
         self.layers = sum(1 for m in llm.engine.model.modules() if isinstance(m, GatedMLA) and m.indexer is not None)
@@ -65,7 +65,7 @@ class IndexerSelections:
 
     def record(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Record the engine's choices from now on."""
-        topk_mask, topk_positions, indexer_topk = ops.topk_mask, mla.topk_positions, ops.indexer_topk
+        topk_mask, select, indexer_topk = ops.topk_mask, mla.LightningIndexer.select, ops.indexer_topk
 
         def recorded_mask(scores, mask, topk):
             chosen = topk_mask(scores, mask, topk)
@@ -77,14 +77,14 @@ class IndexerSelections:
             self.add([set(row[row >= 0].tolist()) for row in chosen[0]])
             return chosen
 
-        def recorded_positions(scores, topk):
-            chosen = topk_positions(scores, topk)
+        def recorded_select(indexer, *args, **kwargs):
+            chosen = select(indexer, *args, **kwargs)
             self.add([set(row[row >= 0].tolist()) for row in chosen])
             return chosen
 
         monkeypatch.setattr(ops, "topk_mask", recorded_mask)
         monkeypatch.setattr(ops, "indexer_topk", recorded_topk)
-        monkeypatch.setattr(mla, "topk_positions", recorded_positions)
+        monkeypatch.setattr(mla.LightningIndexer, "select", recorded_select)
 
     def replay(self, monkeypatch: pytest.MonkeyPatch, near: float) -> list[int]:
         """Make a plain forward over the same tokens choose what the engine chose. Where its own choice differs,

@@ -68,13 +68,17 @@ def test_mixed_length_batch_equals_each_alone(family_model):
 
 def test_prefill_then_decode_equals_full_forward(family_model):
     """... and a decode step reads the pages directly: it never builds the context-wide kv_read_index (which the
-    prefill's attention over the gathered context reads)."""
+    prefill's attention over the gathered context reads, unless every MLA layer is sparse past its top-k: those read
+    the pages too)."""
     model, _ = family_model
     seqs = random_sequences(LENGTHS, model.config.vocab_size)
     prompt = [1, 3, 33, 66]
     runner = Runner(model, len(seqs), max(LENGTHS))
     got = runner.step(list(range(len(seqs))), [s[:p] for s, p in zip(seqs, prompt)], [0] * len(seqs))
-    assert "kv_read_index" in vars(runner.last)
+    layers = model.model.layers[:model.config.num_hidden_layers]          # not the MTP layer
+    gathers = any(m.indexer is None or m.indexer.topk >= max(prompt) for m in layers.modules()
+                  if isinstance(m, GatedMLA))
+    assert ("kv_read_index" in vars(runner.last)) == gathers
     outputs = [[g] for g in got]
     for pos in range(1, max(LENGTHS)):
         live = [i for i, s in enumerate(seqs) if prompt[i] <= pos < len(s)]

@@ -9,6 +9,12 @@
   rule for N sequences, q, k, g [N, H, K], v [N, H, V], beta [N, H] float32, their states updated in place in the
   float32 pool state [slots, H, K, V] at slots [N] (read as zeros where use_state [N] is false) -> o [N, H, V]; the
   state crosses memory once each way. kestrel.ops.torch.kda_decode runs a decode step's recurrence on it.
+- `indexer_topk(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk)`
+  (indexer_topk.cpp): the lightning indexer's topk positions [T, topk] int64 (best first, -1 past the visible keys)
+  for T query tokens, q [T, H, D], weights [T, H] fp32, scored against the paged index-key cache (keys [R, D] in
+  the model dtype, or FP8 E4M3 with key_scales [R]) over positions 0..positions[t] of sequence seq_index[t], without
+  a [T, context] score matrix; its scores are the batch-invariant products' (kestrel.ops.batch_invariant).
+  kestrel.ops.torch.paged_indexer runs the indexer's selection on it.
 - `linear_rows(x, w, bias=None)` (linear_rows.cpp): x float32 [M, in] @ w [out, in]^T + bias [out] -> [M, out],
   each weight read from memory once for up to 64 rows of x (32 with AVX2) and broadcast against a vector of them;
   kestrel.layers.linear multiplies a batched decode step's rows by the large weights on it.
@@ -85,6 +91,10 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::invariant_mm")
     def _(a, b):
         return a.new_empty(*a.shape[:-1], b.shape[-1])
+
+    @torch.library.register_fake("kestrel_cpu::indexer_topk")
+    def _(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk):
+        return page_table.new_empty(q.shape[0], topk)
 
     @torch.library.register_fake("kestrel_cpu::kda_state_step_")
     def _(q, k, v, g, beta, state, slots, use_state, scale):

@@ -71,11 +71,20 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     return o.flatten(0, 1)
 
 
+SPARSE_ROWS = 1 << 16
+"""Selected rows `_sparse_decode` reads at once (a prefill chunk's tokens go by slices of SPARSE_ROWS / k)."""
+
+
 def _sparse_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: torch.Tensor | None,
                    page_table: torch.Tensor, page_size: int, seq_index: torch.Tensor, positions: torch.Tensor,
                    scale: float, value_dim: int, selected: torch.Tensor) -> torch.Tensor:
     """paged_mla_decode over the selected positions only: each query token reads its k listed rows (those at or
     before its position), never the rest of its context. Equals the dense form masked to them."""
+    step = max(1, SPARSE_ROWS // max(1, selected.shape[1]))
+    if q.shape[0] > step:
+        return torch.cat([_sparse_decode(q[i:i + step], cache_values, cache_scales, page_table, page_size,
+                                         seq_index[i:i + step], positions[i:i + step], scale, value_dim,
+                                         selected[i:i + step]) for i in range(0, q.shape[0], step)])
     listed = (selected >= 0) & (selected <= positions.unsqueeze(1))                    # [T, k]
     rows = paged_rows(page_table, page_size, seq_index.unsqueeze(1), selected.clamp(min=0))
     context = torch.where(listed.unsqueeze(-1), read_rows(cache_values, cache_scales, rows, q.dtype), 0)

@@ -3,7 +3,7 @@
 Matches `kestrel.ops.torch.paged_indexer.paged_indexer_scores` (same signature). One program scores a block of
 cache positions for one query token: the keys are read once for all indexer heads, [Hi, D] x [D, S] is one
 matrix product, and the ReLU'd head scores are summed with the token's head weights. The top-k selection that
-follows stays in torch (`kestrel.ops.torch.indexer.topk_positions`, one partial selection).
+follows stays in torch (`kestrel.ops.torch.indexer.topk_positions`, one partial selection): `paged_indexer_topk`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..torch.indexer import topk_positions
 from .common import dot_precision, load_cache_rows
 
 BLOCK_S = 64
@@ -60,3 +61,12 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: tor
         HI=num_heads, D=dim, BLOCK_HI=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=BLOCK_S, FP8=fp8, PRECISION=dot_precision(q.dtype))
     return out
+
+
+def paged_indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_values: torch.Tensor,
+                       key_scales: torch.Tensor | None, page_table: torch.Tensor, page_size: int,
+                       seq_index: torch.Tensor, positions: torch.Tensor, context_len: int, topk: int,
+                       tokens_per_seq: int = 1) -> torch.Tensor:
+    """`kestrel.ops.torch.paged_indexer.paged_indexer_topk` with this module's scores."""
+    return topk_positions(paged_indexer_scores(q, weights, key_values, key_scales, page_table, page_size, seq_index,
+                                               positions, context_len, tokens_per_seq), topk)

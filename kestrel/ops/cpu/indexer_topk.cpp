@@ -1,0 +1,300 @@
+// kestrel_cpu::indexer_topk: the lightning indexer's top-k positions for T query tokens, read straight from the
+// paged index-key cache, without ever holding a token's scores over its whole context (kestrel.ops.cpu).
+//
+// I[t, s] = sum_h w[t, h] (relu(q[t, h] . k[s]) * D^-0.5) over the positions s <= positions[t] of its sequence;
+// each dot product is one fused multiply-add per d from zero, d ascending, and the heads are summed the same way,
+// h ascending: the order of the batch-invariant products (kestrel.ops.batch_invariant), so the scores equal the
+// torch reference's under `invariant()` bit for bit, and never depend on the batch.
+//
+// Keys are read KEY_BLOCK positions at a time, converted to float (FP8 ones times their scale, then rounded to q's
+// dtype, as `read_rows` dequantizes them) and laid transposed, kt [D, KEY_BLOCK], so that a vector holds one
+// coordinate of consecutive keys: each query token of a tile (up to QUERY_TILE consecutive tokens of one sequence,
+// which see the same keys) then scores a block with broadcast query values and no horizontal sums. The kept
+// candidates of each token are those above its running threshold (the topk-th best so far: positions come in
+// ascending order, so a later equal score never outranks a kept one); a full candidate buffer is cut back to the
+// topk best by a partial selection. Tiles run in parallel; with fewer tiles than threads, each tile's positions are
+// split into segments whose candidates are merged (each segment's topk hold every overall winner from it).
+// The result: [T, topk] int64 positions, best first (higher score, then earlier position: a stable descending sort's
+// order, `kestrel.ops.torch.indexer.topk_positions`), -1 after the last where a token sees fewer than topk keys.
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t V = Vec::size();
+constexpr int64_t KEY_BLOCK = 256;          // positions transposed at a time (a multiple of 4 vectors)
+constexpr int64_t QUERY_TILE = 128;         // tokens that share each transposed block
+constexpr int64_t MIN_SEGMENT = 4096;       // fewest positions worth a segment of their own
+
+struct Candidate {
+  float score;
+  int64_t position;
+};
+
+bool better(const Candidate& a, const Candidate& b) {
+  return a.score > b.score || (a.score == b.score && a.position < b.position);
+}
+
+// One token's best positions so far, offered in ascending position order.
+class Best {
+ public:
+  explicit Best(int64_t topk) : topk_(topk) { kept_.reserve(2 * topk); }
+
+  // The scores of positions first, first + 1, ... (count of them).
+  void offer_all(const float* scores, int64_t count, int64_t first) {
+    int64_t j = 0;
+    for (; j + V <= count; j += V) {                 // most vectors hold no score above the threshold
+      const Vec above = Vec::loadu(scores + j) > Vec(threshold_);
+      if (above.zero_mask() != (1 << V) - 1) offer_each(scores, j, j + V, first);
+    }
+    offer_each(scores, j, count, first);
+  }
+
+  // The topk best (or all), in no particular order.
+  std::vector<Candidate>& finish() {
+    if (static_cast<int64_t>(kept_.size()) > topk_) cut();
+    return kept_;
+  }
+
+ private:
+  void offer_each(const float* scores, int64_t begin, int64_t end, int64_t first) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (!(scores[j] > threshold_)) continue;
+      kept_.push_back({scores[j], first + j});
+      if (static_cast<int64_t>(kept_.size()) == 2 * topk_) cut();
+    }
+  }
+
+  void cut() {
+    std::nth_element(kept_.begin(), kept_.begin() + topk_ - 1, kept_.end(), better);
+    kept_.resize(topk_);
+    threshold_ = kept_.back().score;
+  }
+
+  int64_t topk_;
+  float threshold_ = -std::numeric_limits<float>::infinity();
+  std::vector<Candidate> kept_;
+};
+
+// The positions [first, last) of sequence seq as floats into kt [D, KEY_BLOCK]: scaled (FP8), then rounded to
+// the query's dtype.
+template <typename Key, typename Round>
+void load_block(const Key* keys, const float* scales, const int64_t* table, int64_t page_size, int64_t dim,
+                int64_t first, int64_t last, float* kt) {
+  for (int64_t s = first; s < last; ++s) {
+    const int64_t row = table[s / page_size] * page_size + s % page_size;
+    const Key* key = keys + row * dim;
+    const float scale = scales ? scales[row] : 1.f;
+    float* column = kt + (s - first);
+    for (int64_t d = 0; d < dim; ++d) {
+      float value = static_cast<float>(key[d]);
+      if (scales) value *= scale;
+      column[d * KEY_BLOCK] = static_cast<float>(static_cast<Round>(value));
+    }
+  }
+}
+
+// scores[u][j] = I of token u (q [Q][H, D], w [Q][H]) for the block's first `count` keys (kt [D, KEY_BLOCK]), 4
+// vectors of keys at a time, each loaded once for the Q tokens.
+template <int Q>
+void score_block(const float* const* q, const float* const* w, const float* kt, int64_t heads, int64_t dim,
+                 float scale, int64_t count, float (*scores)[KEY_BLOCK]) {
+  const Vec zero(0.f), scale_v(scale);
+  for (int64_t j0 = 0; j0 < count; j0 += 4 * V) {
+    Vec total[Q][4];
+    for (int u = 0; u < Q; ++u)
+      for (int i = 0; i < 4; ++i) total[u][i] = zero;
+    for (int64_t h = 0; h < heads; ++h) {
+      Vec dot[Q][4];
+      for (int u = 0; u < Q; ++u)
+        for (int i = 0; i < 4; ++i) dot[u][i] = zero;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float* row = kt + d * KEY_BLOCK + j0;
+        const Vec k0 = Vec::loadu(row), k1 = Vec::loadu(row + V), k2 = Vec::loadu(row + 2 * V),
+                  k3 = Vec::loadu(row + 3 * V);
+        for (int u = 0; u < Q; ++u) {
+          const Vec qd(q[u][h * dim + d]);
+          dot[u][0] = at::vec::fmadd(qd, k0, dot[u][0]);
+          dot[u][1] = at::vec::fmadd(qd, k1, dot[u][1]);
+          dot[u][2] = at::vec::fmadd(qd, k2, dot[u][2]);
+          dot[u][3] = at::vec::fmadd(qd, k3, dot[u][3]);
+        }
+      }
+      for (int u = 0; u < Q; ++u) {
+        const Vec wh(w[u][h]);
+        for (int i = 0; i < 4; ++i)
+          total[u][i] = at::vec::fmadd(at::vec::maximum(dot[u][i], zero) * scale_v, wh, total[u][i]);
+      }
+    }
+    for (int u = 0; u < Q; ++u)
+      for (int i = 0; i < 4; ++i) total[u][i].store(scores[u] + j0 + i * V);
+  }
+}
+
+// Tokens scored together: as many as the vector registers hold accumulators for (32 with AVX-512, 16 otherwise).
+constexpr int PAIR = V == 16 ? 2 : 1;
+
+struct Tile {
+  int64_t first, count, seq, end;          // tokens [first, first + count) of sequence seq; positions < end
+};
+
+struct Problem {
+  const std::vector<Tile>& tiles;
+  int64_t segments;                        // per tile
+  const float *q, *w;                      // [T, H, D], [T, H]
+  const void* keys;                        // [R, D]
+  const float* scales;                     // [R] (FP8 keys) or null
+  const int64_t *table, *positions;        // [N, width], [T]
+  int64_t width, page_size, heads, dim, topk;
+};
+
+// The tile's tokens' candidates among positions [lo, hi).
+template <typename Key, typename Round>
+void scan(const Problem& p, const Tile& tile, int64_t lo, int64_t hi, std::vector<Best>& best) {
+  std::vector<float> kt(p.dim * KEY_BLOCK, 0.f);
+  float scores[PAIR][KEY_BLOCK];
+  const float scale = 1.f / std::sqrt(static_cast<float>(p.dim));
+  const int64_t* table = p.table + tile.seq * p.width;
+  for (int64_t first = lo; first < hi; first += KEY_BLOCK) {
+    const int64_t last = std::min(first + KEY_BLOCK, hi);
+    load_block<Key, Round>(static_cast<const Key*>(p.keys), p.scales, table, p.page_size, p.dim, first, last,
+                           kt.data());
+    for (int64_t i = 0; i < tile.count; i += PAIR) {
+      const int64_t together = std::min<int64_t>(PAIR, tile.count - i);
+      const float* q[PAIR];
+      const float* w[PAIR];
+      int64_t count[PAIR], most = 0;
+      for (int64_t u = 0; u < together; ++u) {
+        const int64_t t = tile.first + i + u;
+        q[u] = p.q + t * p.heads * p.dim;
+        w[u] = p.w + t * p.heads;
+        count[u] = std::min(last, p.positions[t] + 1) - first;
+        most = std::max(most, count[u]);
+      }
+      if (most <= 0) continue;
+      if (together == PAIR) score_block<PAIR>(q, w, kt.data(), p.heads, p.dim, scale, most, scores);
+      else score_block<1>(q, w, kt.data(), p.heads, p.dim, scale, most, scores);
+      for (int64_t u = 0; u < together; ++u)
+        best[i + u].offer_all(scores[u], std::max<int64_t>(count[u], 0), first);
+    }
+  }
+}
+
+// found[t * segments + segment]: token t's best candidates in each segment of its tile's positions.
+template <typename Key, typename Round>
+void run(const Problem& p, std::vector<std::vector<Candidate>>& found) {
+  at::parallel_for(0, static_cast<int64_t>(p.tiles.size()) * p.segments, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const Tile& tile = p.tiles[unit / p.segments];
+      const int64_t segment = unit % p.segments, share = (tile.end + p.segments - 1) / p.segments;
+      const int64_t lo = std::min(segment * share, tile.end), hi = std::min(lo + share, tile.end);
+      std::vector<Best> best(tile.count, Best(p.topk));
+      scan<Key, Round>(p, tile, lo, hi, best);
+      for (int64_t i = 0; i < tile.count; ++i) found[(tile.first + i) * p.segments + segment] = best[i].finish();
+    }
+  });
+}
+
+at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& keys,
+                        const std::optional<at::Tensor>& key_scales, const at::Tensor& page_table, int64_t page_size,
+                        const at::Tensor& seq_index, const at::Tensor& positions, int64_t topk) {
+  TORCH_CHECK(q.dim() == 3 && weights.dim() == 2 && weights.size(0) == q.size(0) && weights.size(1) == q.size(1) &&
+              keys.dim() == 2 && keys.size(1) == q.size(2), "indexer_topk: q [T, H, D], weights [T, H], keys [R, D]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, "indexer_topk: weights must be float32");
+  const at::ScalarType key_dtype = keys.scalar_type(), query_dtype = q.scalar_type();
+  const bool fp8 = key_dtype == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == key_scales.has_value(), "indexer_topk: FP8 keys need their scales, other keys none");
+  TORCH_CHECK(query_dtype == at::kFloat || query_dtype == at::kBFloat16 || query_dtype == at::kHalf,
+              "indexer_topk: q must be float32, bfloat16 or float16");
+  TORCH_CHECK(fp8 || key_dtype == at::kFloat || key_dtype == at::kBFloat16 || key_dtype == at::kHalf,
+              "indexer_topk: keys must be float32, bfloat16, float16 or FP8 E4M3");
+  TORCH_CHECK(keys.is_contiguous() && page_table.scalar_type() == at::kLong && page_table.dim() == 2 &&
+              seq_index.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+              seq_index.numel() == q.size(0) && positions.numel() == q.size(0) && page_size > 0 && topk > 0,
+              "indexer_topk: contiguous keys, page_table int64 [N, P], seq_index and positions int64 [T]");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const at::Tensor qf = q.to(at::kFloat).contiguous(), w = weights.contiguous(), table = page_table.contiguous();
+  const at::Tensor seq_t = seq_index.contiguous(), pos_t = positions.contiguous();
+  const int64_t *seq = seq_t.data_ptr<int64_t>(), *position = pos_t.data_ptr<int64_t>();
+  at::Tensor scales;
+  if (fp8) {
+    scales = key_scales->contiguous();
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == keys.size(0),
+                "indexer_topk: key_scales float32 [R]");
+  }
+
+  std::vector<Tile> tiles;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(seq[t] >= 0 && seq[t] < table.size(0), "indexer_topk: seq_index ", seq[t], " out of range");
+    TORCH_CHECK(position[t] < table.size(1) * page_size, "indexer_topk: position ", position[t],
+                " past the page table");
+    if (tiles.empty() || tiles.back().seq != seq[t] || tiles.back().count == QUERY_TILE)
+      tiles.push_back({t, 0, seq[t], 0});
+    tiles.back().count += 1;
+    tiles.back().end = std::max(tiles.back().end, position[t] + 1);
+  }
+  const int64_t rows = keys.size(0);
+  const int64_t* table_data = table.data_ptr<int64_t>();
+  for (const Tile& tile : tiles)       // every row the tile reads is in the cache
+    for (int64_t page = 0; page * page_size < tile.end; ++page) {
+      const int64_t p = table_data[tile.seq * table.size(1) + page];
+      TORCH_CHECK(p >= 0 && (p + 1) * page_size <= rows, "indexer_topk: page ", p, " outside the cache");
+    }
+  int64_t longest = 0;
+  for (const Tile& tile : tiles) longest = std::max(longest, tile.end);
+  const int64_t threads = at::get_num_threads(), count = static_cast<int64_t>(tiles.size());
+  const int64_t segments = count >= threads ? 1
+      : std::max<int64_t>(1, std::min((threads + count - 1) / count, longest / MIN_SEGMENT));
+
+  std::vector<std::vector<Candidate>> found(tokens * segments);
+  const Problem problem{tiles, segments, qf.data_ptr<float>(), w.data_ptr<float>(), keys.data_ptr(),
+                        fp8 ? scales.data_ptr<float>() : nullptr, table_data, position, table.size(1), page_size,
+                        heads, dim, topk};
+  // Keys in another dtype than q are rounded to q's after dequantizing, as read_rows does.
+  const bool rounds = key_dtype != query_dtype;
+  auto by_key = [&]<typename Key>() {
+    if (rounds && query_dtype == at::kBFloat16) run<Key, c10::BFloat16>(problem, found);
+    else if (rounds && query_dtype == at::kHalf) run<Key, c10::Half>(problem, found);
+    else run<Key, float>(problem, found);
+  };
+  if (fp8) by_key.template operator()<c10::Float8_e4m3fn>();
+  else if (key_dtype == at::kBFloat16) by_key.template operator()<c10::BFloat16>();
+  else if (key_dtype == at::kHalf) by_key.template operator()<c10::Half>();
+  else by_key.template operator()<float>();
+
+  at::Tensor out = at::empty({tokens, topk}, page_table.options());
+  int64_t* out_data = out.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::vector<Candidate> all;
+      for (int64_t s = 0; s < segments; ++s) {
+        const auto& part = found[t * segments + s];
+        all.insert(all.end(), part.begin(), part.end());
+      }
+      const int64_t kept = std::min<int64_t>(topk, all.size());
+      std::partial_sort(all.begin(), all.begin() + kept, all.end(), better);
+      for (int64_t j = 0; j < topk; ++j) out_data[t * topk + j] = j < kept ? all[j].position : -1;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
+  m.def("indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor? key_scales, Tensor page_table, int page_size, "
+        "Tensor seq_index, Tensor positions, int topk) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("indexer_topk", &indexer_topk); }

@@ -7,7 +7,7 @@
 // torch reference's under `invariant()` bit for bit, and never depend on the batch.
 //
 // Keys are read KEY_BLOCK positions at a time, converted to float (FP8 ones times their scale, then rounded to q's
-// dtype, as `read_rows` dequantizes them) and laid transposed, kt [D, KEY_BLOCK], so that a vector holds one
+// dtype, as `read_rows` dequantizes them) and transposed, kt [D, KEY_BLOCK], so that a vector holds one
 // coordinate of consecutive keys: each query token of a tile (up to QUERY_TILE consecutive tokens of one sequence,
 // which see the same keys) then scores a block with broadcast query values and no horizontal sums. The kept
 // candidates of each token are those above its running threshold (the topk-th best so far: positions come in
@@ -87,21 +87,33 @@ class Best {
   std::vector<Candidate> kept_;
 };
 
-// The positions [first, last) of sequence seq as floats into kt [D, KEY_BLOCK]: scaled (FP8), then rounded to
-// the query's dtype.
+// The positions [first, last) of a sequence (its page table row `table`) as floats into kt [D, KEY_BLOCK]: scaled
+// (FP8), then rounded to the query's dtype, 16 keys at a time into rows [16, D], then transposed 16 x 16 (in
+// registers where ATen's vectors have it).
 template <typename Key, typename Round>
 void load_block(const Key* keys, const float* scales, const int64_t* table, int64_t page_size, int64_t dim,
-                int64_t first, int64_t last, float* kt) {
-  for (int64_t s = first; s < last; ++s) {
-    const int64_t row = table[s / page_size] * page_size + s % page_size;
-    const Key* key = keys + row * dim;
-    const float scale = scales ? scales[row] : 1.f;
-    float* column = kt + (s - first);
-    for (int64_t d = 0; d < dim; ++d) {
-      float value = static_cast<float>(key[d]);
-      if (scales) value *= scale;
-      column[d * KEY_BLOCK] = static_cast<float>(static_cast<Round>(value));
+                int64_t first, int64_t last, float* rows, float* kt) {
+  for (int64_t s0 = first; s0 < last; s0 += 16) {
+    const int64_t n = std::min<int64_t>(16, last - s0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = s0 + i, row = table[s / page_size] * page_size + s % page_size;
+      const Key* key = keys + row * dim;
+      float* out = rows + i * dim;
+      if (scales) {
+        const float scale = scales[row];
+        for (int64_t d = 0; d < dim; ++d)
+          out[d] = static_cast<float>(static_cast<Round>(static_cast<float>(key[d]) * scale));
+      } else {
+        for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(static_cast<Round>(static_cast<float>(key[d])));
+      }
     }
+    float* column = kt + (s0 - first);
+    int64_t d0 = 0;
+    if (n == 16)
+      for (; d0 + 16 <= dim; d0 += 16)
+        at::vec::transpose_mxn<float, 16, 16>(rows + d0, dim, column + d0 * KEY_BLOCK, KEY_BLOCK);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = d0; d < dim; ++d) column[d * KEY_BLOCK + i] = rows[i * dim + d];
   }
 }
 
@@ -162,14 +174,14 @@ struct Problem {
 // The tile's tokens' candidates among positions [lo, hi).
 template <typename Key, typename Round>
 void scan(const Problem& p, const Tile& tile, int64_t lo, int64_t hi, std::vector<Best>& best) {
-  std::vector<float> kt(p.dim * KEY_BLOCK, 0.f);
+  std::vector<float> kt(p.dim * KEY_BLOCK, 0.f), rows(16 * p.dim);
   float scores[PAIR][KEY_BLOCK];
   const float scale = 1.f / std::sqrt(static_cast<float>(p.dim));
   const int64_t* table = p.table + tile.seq * p.width;
   for (int64_t first = lo; first < hi; first += KEY_BLOCK) {
     const int64_t last = std::min(first + KEY_BLOCK, hi);
     load_block<Key, Round>(static_cast<const Key*>(p.keys), p.scales, table, p.page_size, p.dim, first, last,
-                           kt.data());
+                           rows.data(), kt.data());
     for (int64_t i = 0; i < tile.count; i += PAIR) {
       const int64_t together = std::min<int64_t>(PAIR, tile.count - i);
       const float* q[PAIR];

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import THREADS, machine, markdown_table, write_section  # noqa: E402
+from benchmarks.plot import Panel, line_charts  # noqa: E402
+from benchmarks.report import DOC, THREADS, machine, markdown_table, write_section  # noqa: E402
 from kestrel import LLM, SamplingParams  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 
@@ -39,6 +40,17 @@ CONTEXT_LENGTH = 133120
 BEFORE = Path(__file__).resolve().parent / "long_context_before.json"
 DECODE_CONTEXTS = (1024, 8192, 32768, 131072)
 PREFILL_CONTEXTS = (1024, 4096, 32768, 131072)
+PLOT = DOC.parent / "long-context.svg"
+MIB = 2 ** 20
+
+
+def cache_bytes_per_token(llm: LLM) -> float:
+    """The paged pools' bytes per cached token, from their tensors (every MLA layer's latents, index keys, scales)."""
+    cache = llm.engine.cache
+    rows = cache.mla[0].latent.values.shape[0]
+    tensors = [t for layer in cache.mla for paged in (layer.latent, layer.index_keys) if paged is not None
+               for t in (paged.values, paged.scales) if t is not None]
+    return sum(t.nbytes for t in tensors) / rows
 
 
 def run_prompt(llm: LLM, prompt_len: int, decode_steps: int, seed: int) -> dict:
@@ -73,6 +85,7 @@ def measure(decode_steps: int) -> dict:
             result["prefill_tok_s"][str(context)] = context / run["prefill_s"]
         print(f"context {context}: prefill {context / run['prefill_s']:.0f} tok/s, decode "
               f"{1000 * statistics.median(run['decode_s']):.1f} ms/step" if run["decode_s"] else "", flush=True)
+    result["cache_bytes_per_token"] = cache_bytes_per_token(llm)
     result["machine"] = machine()
     result["load"] = os.getloadavg()[0]
     return result
@@ -95,6 +108,9 @@ def report(after: dict, before: dict | None, args: argparse.Namespace) -> str:
 
     rows = [row(f"decode ms/step at {int(c) // 1024}K", "decode_ms", str(c), ".1f") for c in DECODE_CONTEXTS]
     rows += [row(f"prefill tok/s at {int(c) // 1024}K", "prefill_tok_s", str(c), ".0f") for c in PREFILL_CONTEXTS]
+    per_token = after["cache_bytes_per_token"]
+    rows += [[f"KV cache held at {c // 1024}K (MiB)", *(["-"] if before else []), f"{c * per_token / MIB:.1f}",
+              *(["-"] if before else [])] for c in DECODE_CONTEXTS]
 
     def growth(r: dict) -> str:
         ratios = [(f"decode at {int(c) // 1024}K / 1K", r["decode_ms"][c] / r["decode_ms"][first])
@@ -111,6 +127,7 @@ def report(after: dict, before: dict | None, args: argparse.Namespace) -> str:
              "per context (median); prefill tok/s = prompt tokens / time to the first token (chunks of 2,048). "
              "The ratio column is before/after for ms and after/before for tok/s (above 1 = faster).",
              markdown_table(header, rows),
+             f"![decode step time and KV cache against context]({PLOT.name})",
              "By design a decode step still grows with the indexer's scan (every past index key read and scored per "
              "token, then one partial top-k selection) and a prefill chunk with the scores of all its causal keys "
              "(O(T^2) over a prompt); attention reads the 64 selected latents per query, and KDA's state and the "
@@ -121,6 +138,20 @@ def report(after: dict, before: dict | None, args: argparse.Namespace) -> str:
     lines.append(f"Rerun: `{COMMAND}` (the before column: `--before`, default benchmarks/{BEFORE.name}, measured "
                  "before issue 62's fixes)")
     return "\n\n".join(lines)
+
+
+def plot(after: dict, before: dict | None) -> str:
+    """docs/long-context.svg: decode ms/step (before and after) and the KV cache held against the context."""
+    decode = {"this run" if before is None else "after": [after["decode_ms"][str(c)] for c in DECODE_CONTEXTS]}
+    if before:
+        decode["before"] = [before["decode_ms"].get(str(c)) for c in DECODE_CONTEXTS]
+    prefill = {"this run" if before is None else "after": [after["prefill_tok_s"][str(c)] for c in PREFILL_CONTEXTS]}
+    if before:
+        prefill["before"] = [before["prefill_tok_s"].get(str(c)) for c in PREFILL_CONTEXTS]
+    cache = [c * after["cache_bytes_per_token"] / MIB for c in DECODE_CONTEXTS]
+    return line_charts([Panel("Decode step (ms)", "ms per step", list(DECODE_CONTEXTS), decode),
+                        Panel("Prefill (tok/s)", "prompt tokens / s", list(PREFILL_CONTEXTS), prefill),
+                        Panel("KV cache held (MiB)", "MiB", list(DECODE_CONTEXTS), {"k3.1-tiny": cache})])
 
 
 def main() -> None:
@@ -138,6 +169,7 @@ def main() -> None:
     body = report(after, before, args)
     if not args.no_write:
         write_section("long-context", body)
+        PLOT.write_text(plot(after, before))
     print(body)
 
 

@@ -1,5 +1,5 @@
-"""A 1M-token context on the bundled model (issue 62): one 1,048,560-token prompt prefilled and 16 tokens decoded to
-exactly 1,048,576 tokens, with `context_length=1048576`, prefix caching off, eager, every core's torch thread (what
+"""A 1M-token context on the bundled model (issue 62): one 1,048,559-token prompt prefilled and 17 tokens generated
+to exactly 1,048,576 tokens, with `context_length=1048576`, prefix caching off, eager, every core's torch thread (what
 `kestrel serve --context-length 1048576 --disable-radix-cache` runs); beside it, in the same process, a 1K-token
 prompt with 16 decode steps.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_long_context import run_prompt  # noqa: E402
+from benchmarks.bench_long_context import cache_bytes_per_token, run_prompt  # noqa: E402
 from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
 from kestrel import LLM  # noqa: E402
 from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
@@ -30,15 +30,6 @@ from kestrel.engine.args import BUNDLED_MODEL  # noqa: E402
 COMMAND = ".venv/bin/python benchmarks/bench_million_context.py"
 DECODE_STEPS = 16
 GIB = 2 ** 30
-
-
-def cache_bytes_per_token(llm: LLM) -> float:
-    """The paged pools' bytes per cached token, from their tensors (every MLA layer's latents, index keys, scales)."""
-    cache = llm.engine.cache
-    rows = cache.mla[0].latent.values.shape[0]
-    tensors = [t for layer in cache.mla for paged in (layer.latent, layer.index_keys) if paged is not None
-               for t in (paged.values, paged.scales) if t is not None]
-    return sum(t.nbytes for t in tensors) / rows
 
 
 def state_bytes_per_sequence(llm: LLM) -> int:
@@ -54,9 +45,9 @@ def main() -> None:
     llm = LLM(str(BUNDLED_MODEL), context_length=args.context, disable_radix_cache=True)
     run_prompt(llm, 256, 4, seed=0)                                             # warm-up
     rows = []
-    for prompt_len in (1024 - DECODE_STEPS, args.context - DECODE_STEPS):
+    for total in (1024, args.context):
+        prompt_len = total - DECODE_STEPS - 1                   # the prefill's own token, then the decode steps
         run = run_prompt(llm, prompt_len, DECODE_STEPS, seed=prompt_len)
-        total = prompt_len + DECODE_STEPS
         rows.append([f"{total:,}", f"{prompt_len / run['prefill_s']:.0f}", f"{run['prefill_s']:.1f}",
                      f"{1000 * statistics.median(run['decode_s']):.1f}",
                      f"{total * cache_bytes_per_token(llm) / GIB:.3f}",
@@ -66,8 +57,9 @@ def main() -> None:
     body = "\n\n".join([
         f"## A 1M-token context (`{COMMAND}`)",
         f"Bundled model (k3.1-tiny: indexer top-64, 2 sparse MLA + 4 KDA layers), `context_length={args.context}`, "
-        f"prefix caching off, eager, one request alone: a prompt of context - {DECODE_STEPS} tokens, then "
-        f"{DECODE_STEPS} greedy decode steps to exactly the context (median step); the 1K row ran first in the same "
+        f"prefix caching off, eager, one request alone: a prompt of context - {DECODE_STEPS + 1} tokens, its first "
+        f"token, then {DECODE_STEPS} greedy decode steps to exactly the context (median step); the 1K row ran first "
+        "in the same "
         "process. Cache = the sequence's cached tokens x the pools' measured bytes per token; peak RSS is the "
         "process's so far (the 1M row includes the 1K row's).",
         markdown_table(["context (tokens)", "prefill tok/s", "prefill s", "decode ms/step", "cache GiB",

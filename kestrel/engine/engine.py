@@ -20,7 +20,7 @@ import torch
 
 from ..distributed.layout import ParallelLayout
 from ..distributed.parallel import SINGLE
-from ..ops import batch_invariant
+from ..ops import batch_invariant, cpu
 from ..ops.torch.kda import compile_chunk_terms
 from . import deterministic
 from .args import MODEL_DRAFTERS, EngineArgs
@@ -96,6 +96,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        if device.type == "cpu":
+            cpu.load()      # kestrel's C++ kernels (built once per machine, ~40 s on two cores): now, not in a step
         self.model, self.plan, self.config, self.cache = shard.model, shard.plan, shard.model.config, shard.cache
         self.handoff_layout = shard.handoff_layout
         self.tokenizer = Tokenizer.from_folder_or_none(folder)

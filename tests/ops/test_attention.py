@@ -3,6 +3,7 @@ block-by-block indexer selection and the attention over listed keys against the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fla.ops.dsa.naive import naive_dsa, naive_dsa_indexer
 
@@ -129,9 +130,12 @@ def test_sparse_attention_equals_masked_attention_over_the_listed_keys():
         assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
 
 
-def test_sparse_paged_decode_reads_only_the_selected_rows():
+@pytest.mark.parametrize("sparse_rows", [paged_attention.SPARSE_ROWS, 16])
+def test_sparse_paged_decode_reads_only_the_selected_rows(monkeypatch, sparse_rows):
     """paged_mla_decode over selected positions equals the dense form masked to them, with every row it was not
-    given set to NaN (so a read of any other row would show), at a context of 40 pages and top-16."""
+    given set to NaN (so a read of any other row would show), at a context of 40 pages and top-16; the same when
+    the tokens go by slices (SPARSE_ROWS rows at a time: one token each)."""
+    monkeypatch.setattr(paged_attention, "SPARSE_ROWS", sparse_rows)
     gen = torch.Generator().manual_seed(7)
     page_size, pages, width, value_dim, topk = 16, 40, 24, 16, 16
     cache = torch.randn((pages + 1) * page_size, width, generator=gen)

@@ -6,8 +6,7 @@ A forward of T new tokens in N sequences (at most L new and S cached-plus-new to
 and activations of `act_bytes`, on TP > 1 ranks; every rank contributes:
 - all_reduce: T x hidden for the embedding (vocabulary-parallel), each KDA and MLA output projection and each dense
   MLP's down projection; per MoE layer T x hidden, or with a latent MoE T x expert_dim plus, in the same call, the
-  shared experts' T x hidden; per indexer layer the fp32 partial scores, T x S (over the pages: a decode step, or a
-  context of more than index_topk keys), else N x L x S (the padded batch). Expert parallelism changes none
+  shared experts' T x hidden; per indexer layer the N x L x S fp32 partial scores. Expert parallelism changes none
   of it: routed partials join the same all-reduce (no all-to-all dispatch).
 - all_gather: R x ceil(vocab / TP) fp32 logits.
 Under DP attention (dp_attention_traffic) attention, the embedding and the logits move over a DP group's TP / DP
@@ -103,20 +102,10 @@ def _tp_traffic(config: ModelConfig, tp: int, attn_tp: int, whole: Forward, own:
     scores = logits = 0
     if attn_tp > 1:
         rows += ((len(config.kda_layers) + len(config.mla_layers)) * own.tokens + t) * hidden
-        if dcp == 1:
-            scores = _index_score_bytes(config, own)
+        if config.has_indexer and dcp == 1:
+            scores = len(config.mla_layers) * own.sequences * own.longest_new * own.longest_total * SCORE_BYTES
         logits = whole.logit_rows * -(-config.vocab_size // attn_tp) * LOGIT_BYTES
     return {"all_reduce": rows * act_bytes + scores, "all_gather": logits}
-
-
-def _index_score_bytes(config: ModelConfig, own: Forward) -> int:
-    """The indexer layers' fp32 partial scores a rank all-reduces in one forward of `own`: [T, S] over the pages (a
-    decode step, or a context of more than index_topk keys), else the padded batch's [N, L, S]."""
-    if not config.has_indexer:
-        return 0
-    paged = own.longest_new == 1 or own.longest_total > config.index_topk
-    scored = own.tokens if paged else own.sequences * own.longest_new
-    return len(config.mla_layers) * scored * own.longest_total * SCORE_BYTES
 
 
 def moe_reduce_width(config: ModelConfig) -> int:
@@ -153,7 +142,8 @@ def a2a_traffic(config: ModelConfig, tp: int, dp: int, groups: list[Forward], mi
         # over the group: each layer's attention, the embedding, the dense MLPs and the MoE layers' shared experts
         ffns = config.num_hidden_layers - moe + (moe if config.num_shared_experts else 0)
         rows = (config.num_hidden_layers + 1 + ffns) * own.tokens * hidden
-        scores = _index_score_bytes(config, own)
+        scores = len(config.mla_layers) * own.sequences * own.longest_new * own.longest_total * SCORE_BYTES \
+            if config.has_indexer else 0
         whole_rows = sum(g.logit_rows for g in groups)
         out["all_reduce"] = rows * act_bytes + scores
         out["all_gather"] = moe * -(-own.tokens // attn_tp) * routed_width(config) * act_bytes + \

@@ -74,13 +74,20 @@ class LightningIndexer(nn.Module):
                tokens_per_seq: int) -> torch.Tensor:
         """The topk positions [T, min(topk, max_total)] int64 (best first, -1 past a token's visible keys) of the new
         tokens x [T, hidden] among their sequences' cached index keys (the new ones written): one selection op
-        with all heads here, the partial scores summed over the ranks first otherwise."""
-        args = (*self.queries(x, q_latent), keys.values, keys.scales, batch.page_table, page_size, batch.seq_index,
-                batch.positions, batch.max_total)
+        with all heads here. Under tensor parallelism the ranks' partial scores are summed first: a decode step's
+        [T, S] at once, a longer step's block by block over its gathered keys (`ops.indexer_topk`), never [T, S]."""
+        q, weights = self.queries(x, q_latent)
+        args = (q, weights, keys.values, keys.scales, batch.page_table, page_size, batch.seq_index, batch.positions,
+                batch.max_total)
         if self.par.tp_size == 1:
             return backend.get_op("paged_indexer_topk", x.device)(*args, self.topk, tokens_per_seq)
-        scores = backend.get_op("paged_indexer_scores", x.device)(*args, tokens_per_seq)
-        return topk_positions(self.reduce(scores), self.topk)
+        if batch.max_new == 1:
+            return topk_positions(self.reduce(backend.get_op("paged_indexer_scores", x.device)(*args)), self.topk)
+        written = torch.arange(batch.max_total, device=x.device) < batch.seq_lens.unsqueeze(1)
+        context = torch.where(written.unsqueeze(-1), keys.read(batch.kv_read_index, q.dtype), 0)
+        last = batch.to_padded(batch.positions + 1) - 1                              # -1 marks padding rows
+        return batch.from_padded(ops.indexer_topk(batch.to_padded(q), context, batch.to_padded(weights), last,
+                                                  self.topk, self.reduce))
 
 
 class GatedMLA(nn.Module):

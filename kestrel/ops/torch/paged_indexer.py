@@ -15,6 +15,7 @@ from .indexer import indexer_scores, topk_positions
 from .paged_attention import group_rows, read_rows
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_KEY_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn)
 
 
 def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_values: torch.Tensor,
@@ -48,8 +49,8 @@ def paged_indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_values: torch
     `kestrel.ops.batch_invariant.invariant()`, within rounding of them otherwise (float32, bfloat16 and float16
     queries and keys, or FP8 keys; other dtypes take the reference)."""
     width = min(topk, context_len)
-    if (q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and key_values.dtype in (*KERNEL_DTYPES, torch.float8_e4m3fn)
-            and width > 0 and cpu.available()):
+    if (q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and key_values.dtype in KERNEL_KEY_DTYPES and width > 0
+            and cpu.available()):
         return torch.ops.kestrel_cpu.indexer_topk(q, weights.float(), key_values, key_scales, page_table, page_size,
                                                   seq_index, positions, width)
     return topk_positions(paged_indexer_scores(q, weights, key_values, key_scales, page_table, page_size, seq_index,

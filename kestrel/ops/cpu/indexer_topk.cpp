@@ -93,10 +93,17 @@ class Best {
 template <typename Key, typename Round>
 void load_block(const Key* keys, const float* scales, const int64_t* table, int64_t page_size, int64_t dim,
                 int64_t first, int64_t last, float* rows, float* kt) {
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(Key));
   for (int64_t s0 = first; s0 < last; s0 += 16) {
     const int64_t n = std::min<int64_t>(16, last - s0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t s = s0 + i, row = table[s / page_size] * page_size + s % page_size;
+    for (int64_t s = s0 + 16; s < std::min(s0 + 32, last); ++s) {   // the next 16 keys' rows, while these convert
+      const char* next = reinterpret_cast<const char*>(keys + (table[s / page_size] * page_size + s % page_size) * dim);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 0);
+    }
+    int64_t page = s0 / page_size, offset = s0 % page_size;          // one division per 16 keys
+    for (int64_t i = 0; i < n; ++i, ++offset) {
+      if (offset == page_size) offset = 0, ++page;
+      const int64_t row = table[page] * page_size + offset;
       const Key* key = keys + row * dim;
       float* out = rows + i * dim;
       if (scales) {

@@ -143,16 +143,17 @@ def report(after: dict, before: dict | None, args: argparse.Namespace) -> str:
 
 
 def plot(after: dict, before: dict | None) -> str:
-    """docs/long-context.svg: decode ms/step (before and after) and the KV cache held against the context."""
-    decode = {"this run" if before is None else "after": [after["decode_ms"][str(c)] for c in DECODE_CONTEXTS]}
-    if before:
-        decode["before"] = [before["decode_ms"].get(str(c)) for c in DECODE_CONTEXTS]
-    prefill = {"this run" if before is None else "after": [after["prefill_tok_s"][str(c)] for c in PREFILL_CONTEXTS]}
-    if before:
-        prefill["before"] = [before["prefill_tok_s"].get(str(c)) for c in PREFILL_CONTEXTS]
+    """docs/long-context.svg: decode ms/step and prefill tok/s (before and after), and the KV cache held, against the
+    context."""
+    def series(key: str, contexts: tuple[int, ...]) -> dict[str, list[float | None]]:
+        runs = {"this run" if before is None else "after": after, **({"before": before} if before else {})}
+        return {name: [run[key].get(str(c)) for c in contexts] for name, run in runs.items()}
+
     cache = [c * after["cache_bytes_per_token"] / MIB for c in DECODE_CONTEXTS]
-    return line_charts([Panel("Decode step (ms)", "ms per step", list(DECODE_CONTEXTS), decode),
-                        Panel("Prefill (tok/s)", "prompt tokens / s", list(PREFILL_CONTEXTS), prefill),
+    return line_charts([Panel("Decode step (ms)", "ms per step", list(DECODE_CONTEXTS),
+                              series("decode_ms", DECODE_CONTEXTS)),
+                        Panel("Prefill (tok/s)", "prompt tokens / s", list(PREFILL_CONTEXTS),
+                              series("prefill_tok_s", PREFILL_CONTEXTS)),
                         Panel("KV cache held (MiB)", "MiB", list(DECODE_CONTEXTS), {"k3.1-tiny": cache})])
 
 

@@ -5,8 +5,9 @@ prompt with 16 decode steps.
 
 Reports prefill tok/s, the decode steps' median ms, the cache bytes the sequence holds (its pages' rows, measured
 from the pool tensors, against the memory plan's bytes per token), the KDA state of one sequence (the same at any
-context), and the process's peak resident memory. A long run (45 minutes on this 2-core AMD EPYC: the indexer scores every
-causal pair of the prompt, 2 x 5.5e11 of them); writes the section "long-context-1m" of docs/benchmarks.md.
+context), and the process's peak resident memory. A long run (45 minutes on this 2-core AMD EPYC: the indexer
+scores every causal pair of the prompt, 2 x 5.5e11 of them); writes the section "long-context-1m" of
+docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/bench_million_context.py [--context 1048576]
 """
@@ -59,8 +60,8 @@ def main() -> None:
         f"Bundled model (k3.1-tiny: indexer top-64, 2 sparse MLA + 4 KDA layers), `context_length={args.context}`, "
         f"prefix caching off, eager, one request alone: a prompt of context - {DECODE_STEPS + 1} tokens, its first "
         f"token, then {DECODE_STEPS} greedy decode steps to exactly the context (median step); the 1K row ran first "
-        "in the same process. Cache = the sequence's cached tokens x the pools' measured bytes per token; peak RSS is the "
-        "process's so far (the 1M row includes the 1K row's).",
+        "in the same process. Cache = the sequence's cached tokens x the pools' measured bytes per token; peak RSS "
+        "is the process's so far (the 1M row includes the 1K row's).",
         markdown_table(["context (tokens)", "prefill tok/s", "prefill s", "decode ms/step", "cache GiB",
                         "peak RSS GiB"], rows),
         f"Pools' bytes per cached token, measured from their tensors: {measured:.0f}; the memory plan's formula: "

@@ -27,6 +27,13 @@ from .parallel import RowParallelLinear
 PLAIN, ABSORBED, AUTO = "plain", "absorbed", "auto"
 
 
+def _gathered(rows: PagedRows, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
+    """Every position of every sequence of the batch from its pages, [N, max_total, D] in dtype, zeros past each
+    sequence's end (rows there may never have been written)."""
+    written = torch.arange(batch.max_total, device=rows.values.device) < batch.seq_lens.unsqueeze(1)
+    return torch.where(written.unsqueeze(-1), rows.read(batch.kv_read_index, dtype), 0)
+
+
 class LightningIndexer(nn.Module):
     """Scores every past token for each query and keeps the top-k (DeepSeek-V3.2's indexer without RoPE).
 
@@ -70,24 +77,22 @@ class LightningIndexer(nn.Module):
         q, weights = self.queries(x, q_latent)
         return self.reduce(ops.indexer_scores(batch.to_padded(q), context_keys, batch.to_padded(weights), mask))
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: PagedRows, batch: ForwardBatch, page_size: int,
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: PagedRows, batch: ForwardBatch,
                tokens_per_seq: int) -> torch.Tensor:
         """The topk positions [T, min(topk, max_total)] int64 (best first, -1 past a token's visible keys) of the new
         tokens x [T, hidden] among their sequences' cached index keys (the new ones written): one selection op
         with all heads here. Under tensor parallelism the ranks' partial scores are summed first: a decode step's
         [T, S] at once, a longer step's block by block over its gathered keys (`ops.indexer_topk`), never [T, S]."""
         q, weights = self.queries(x, q_latent)
-        args = (q, weights, keys.values, keys.scales, batch.page_table, page_size, batch.seq_index, batch.positions,
-                batch.max_total)
+        args = (q, weights, keys.values, keys.scales, batch.page_table, batch.page_size, batch.seq_index,
+                batch.positions, batch.max_total)
         if self.par.tp_size == 1:
             return backend.get_op("paged_indexer_topk", x.device)(*args, self.topk, tokens_per_seq)
         if batch.max_new == 1:
             return topk_positions(self.reduce(backend.get_op("paged_indexer_scores", x.device)(*args)), self.topk)
-        written = torch.arange(batch.max_total, device=x.device) < batch.seq_lens.unsqueeze(1)
-        context = torch.where(written.unsqueeze(-1), keys.read(batch.kv_read_index, q.dtype), 0)
         last = batch.to_padded(batch.positions + 1) - 1                              # -1 marks padding rows
-        return batch.from_padded(ops.indexer_topk(batch.to_padded(q), context, batch.to_padded(weights), last,
-                                                  self.topk, self.reduce))
+        return batch.from_padded(ops.indexer_topk(batch.to_padded(q), _gathered(keys, batch, q.dtype),
+                                                  batch.to_padded(weights), last, self.topk, self.reduce))
 
 
 class GatedMLA(nn.Module):
@@ -196,7 +201,7 @@ class GatedMLA(nn.Module):
         selected = None
         if self.indexer is not None:
             pages.index_keys.write(batch.kv_write_index, index_keys)
-            selected = self.indexer.select(x, q_latent, pages.index_keys, batch, cache.page_size, group)
+            selected = self.indexer.select(x, q_latent, pages.index_keys, batch, group)
         w_uk, w_uv = self._absorption()
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_full = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_shared], dim=-1)
@@ -293,14 +298,12 @@ class GatedMLA(nn.Module):
             keys = batch.to_padded(index_keys) if index_keys is not None else None
             return batch.to_padded(latent), keys
         pages = cache.mla[self.mla_index]
-        written = (torch.arange(batch.max_total, device=latent.device) < batch.seq_lens.unsqueeze(1)).unsqueeze(-1)
         pages.latent.write(batch.kv_write_index, latent)
-        context = torch.where(written, pages.latent.read(batch.kv_read_index, latent.dtype), 0)
         keys = None
         if index_keys is not None:
             pages.index_keys.write(batch.kv_write_index, index_keys)
-            keys = torch.where(written, pages.index_keys.read(batch.kv_read_index, index_keys.dtype), 0)
-        return context, keys
+            keys = _gathered(pages.index_keys, batch, index_keys.dtype)
+        return _gathered(pages.latent, batch, latent.dtype), keys
 
     @staticmethod
     def _causal_mask(batch: ForwardBatch, context_len: int) -> torch.Tensor:

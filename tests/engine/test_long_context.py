@@ -50,9 +50,9 @@ def plain_forward(llm: LLM, prompt: list[int], output: list[int]) -> tuple[torch
 class IndexerSelections:
     """The indexer's top-k choices of one sequence's run, per indexed MLA layer: the positions each token attends.
 
-    The model's indexed layers are called in turn on every forward (with a cache through `LightningIndexer.select`
-    where the context holds more than top-k keys, else `ops.topk_mask`; without one, `ops.indexer_topk`), so the n-th
-    call belongs to layer n % layers and covers its next tokens."""
+    The engine's indexed layers are called in turn on every forward (through `LightningIndexer.select` where the
+    context holds more than top-k keys, else `ops.topk_mask`), so the n-th call belongs to layer n % layers and
+    covers its next tokens. (The plain forward's `ops.indexer_topk` is replayed, not recorded.)"""
 
     def __init__(self, llm: LLM):
         self.layers = sum(1 for m in llm.engine.model.modules() if isinstance(m, GatedMLA) and m.indexer is not None)
@@ -65,16 +65,11 @@ class IndexerSelections:
 
     def record(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Record the engine's choices from now on."""
-        topk_mask, select, indexer_topk = ops.topk_mask, mla.LightningIndexer.select, ops.indexer_topk
+        topk_mask, select = ops.topk_mask, mla.LightningIndexer.select
 
         def recorded_mask(scores, mask, topk):
             chosen = topk_mask(scores, mask, topk)
             self.add([set(row.nonzero().flatten().tolist()) for row in chosen[0]])
-            return chosen
-
-        def recorded_topk(*args, **kwargs):
-            chosen = indexer_topk(*args, **kwargs)
-            self.add([set(row[row >= 0].tolist()) for row in chosen[0]])
             return chosen
 
         def recorded_select(indexer, *args, **kwargs):
@@ -83,7 +78,6 @@ class IndexerSelections:
             return chosen
 
         monkeypatch.setattr(ops, "topk_mask", recorded_mask)
-        monkeypatch.setattr(ops, "indexer_topk", recorded_topk)
         monkeypatch.setattr(mla.LightningIndexer, "select", recorded_select)
 
     def replay(self, monkeypatch: pytest.MonkeyPatch, near: float) -> list[int]:

@@ -263,15 +263,15 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at
     tiles.back().count += 1;
     tiles.back().end = std::max(tiles.back().end, position[t] + 1);
   }
-  const int64_t rows = keys.size(0);
+  std::vector<int64_t> reach(table.size(0), 0);           // positions read of each sequence
+  for (const Tile& tile : tiles) reach[tile.seq] = std::max(reach[tile.seq], tile.end);
   const int64_t* table_data = table.data_ptr<int64_t>();
-  for (const Tile& tile : tiles)       // every row the tile reads is in the cache
-    for (int64_t page = 0; page * page_size < tile.end; ++page) {
-      const int64_t p = table_data[tile.seq * table.size(1) + page];
-      TORCH_CHECK(p >= 0 && (p + 1) * page_size <= rows, "indexer_topk: page ", p, " outside the cache");
+  for (int64_t n = 0; n < table.size(0); ++n)              // every row read is in the cache
+    for (int64_t page = 0; page * page_size < reach[n]; ++page) {
+      const int64_t p = table_data[n * table.size(1) + page];
+      TORCH_CHECK(p >= 0 && (p + 1) * page_size <= keys.size(0), "indexer_topk: page ", p, " outside the cache");
     }
-  int64_t longest = 0;
-  for (const Tile& tile : tiles) longest = std::max(longest, tile.end);
+  const int64_t longest = reach.empty() ? 0 : *std::max_element(reach.begin(), reach.end());
   const int64_t threads = at::get_num_threads(), count = static_cast<int64_t>(tiles.size());
   const int64_t segments = count >= threads ? 1
       : std::max<int64_t>(1, std::min((threads + count - 1) / count, longest / MIN_SEGMENT));

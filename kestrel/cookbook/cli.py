@@ -13,7 +13,7 @@ from pathlib import Path
 from .calculator import (KV_DTYPE_CHOICES, KV_LAYOUTS, MODES, RADIX_STRATEGIES, SPEC_MODES, SSM_DTYPE_CHOICES,
                          CacheSettings)
 from .evidence import DEFAULT_EVIDENCE_DIR, load_records
-from .hardware import CPU, catalog
+from .hardware import CPU, catalog, measure_cpu
 from .layout import Layout
 from .ledger import ledger_markdown, ledger_rows
 from .matrix import matrix_markdown, matrix_rows
@@ -94,6 +94,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
                    help="pin the state slots (whole server, divided per DP worker) instead of the ratio")
     p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCHES)), help="roofline batch sizes, e.g. 1,64")
     p.add_argument("--context", type=int, default=None, help="roofline context length (default: --avg-request-len)")
+    p.add_argument("--measure", action="store_true",
+                   help="with --hardware cpu: measure this machine's memory bandwidth and float32 multiply rate now "
+                        "(about a second, on torch's threads), so the roofline and the per-token costs have times")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_plan)
 
@@ -106,6 +109,8 @@ def _batches(text: str) -> tuple[int, ...]:
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
+    if args.measure and args.hardware != CPU:
+        raise ValueError(f"--measure measures this machine: use it with --hardware {CPU}, not {args.hardware}.")
     cache = CacheSettings(kv_dtype=args.kv_dtype, kv_layout=args.kv_layout, ssm_dtype=args.ssm_dtype,
                           radix_strategy=args.radix_strategy, overlap_schedule=not args.disable_overlap_schedule,
                           skip_decode_lock=args.skip_decode_lock, mode=args.mode, spec=args.spec,
@@ -119,7 +124,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
                        mem_fraction=args.mem_fraction, ratio=args.ratio,
                        max_running_requests=args.max_running_requests,
                        max_mamba_cache_size=args.max_mamba_cache_size, batches=_batches(args.batch),
-                       context=args.context)
+                       context=args.context, cpu_speed=measure_cpu() if args.measure else None)
 
 
 def run_plan(args: argparse.Namespace) -> int:

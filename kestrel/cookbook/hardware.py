@@ -12,6 +12,7 @@ where a check compares with a measurement taken on that device.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -98,6 +99,13 @@ class Device:
         return None if bandwidth.value is None else bandwidth.value * _BYTES_PER_S[bandwidth.unit]
 
     @property
+    def flop_rate(self) -> float | None:
+        """Dense multiply rate per device in flops/s, or None when unknown: a measured CPU's float32 rate, a catalog
+        device's bf16 dense figure."""
+        rate = self.facts.get("fp32_dense") or self.facts["bf16_dense"]
+        return None if rate.value is None else rate.value * 1e12
+
+    @property
     def ranks_per_device(self) -> int:
         """Engine ranks per device: 2 for an Ascend 910C (two dies), else 1."""
         ranks = self.facts.get("ranks_per_device")
@@ -131,15 +139,58 @@ def catalog() -> dict[str, Device]:
     return devices
 
 
-def local_cpu(ranks: int = 1) -> Device:
+@dataclass(frozen=True)
+class CpuSpeed:
+    """What one measurement saw this machine do on `threads` torch threads."""
+
+    bandwidth: float                # bytes/s: a copy of COPY_BYTES, its reads plus its writes
+    flop_rate: float                # flops/s: float32 matmuls of MATMUL_SIZE^3 (multiply-adds count 2)
+    threads: int
+
+
+COPY_BYTES = 256 * 2**20
+MATMUL_SIZE = 1024
+
+
+def measure_cpu(threads: int | None = None, repeats: int = 5) -> CpuSpeed:
+    """This machine's memory bandwidth and float32 multiply-add rate on `threads` torch threads (default: torch's
+    current count), each the best of `repeats` runs; about a second."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        src, dst = torch.ones(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
+        a, b = torch.rand(MATMUL_SIZE, MATMUL_SIZE), torch.rand(MATMUL_SIZE, MATMUL_SIZE)
+        copy = _best(lambda: dst.copy_(src), repeats)
+        matmul = _best(lambda: torch.mm(a, b), repeats)
+        return CpuSpeed(2 * COPY_BYTES / copy, 2 * MATMUL_SIZE ** 3 / matmul, torch.get_num_threads())
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _best(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of run, in seconds (after one untimed call)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def local_cpu(ranks: int = 1, speed: CpuSpeed | None = None) -> Device:
     """This machine's CPU as a device for `ranks` engine ranks (kestrel runs them all here, sharing its memory, as
-    kestrel.distributed.launch.ranks_on_node counts them): its RAM (measured now); bandwidth and throughput
-    unknown."""
+    kestrel.distributed.launch.ranks_on_node counts them): its RAM (measured now); its bandwidth and float32 rate
+    from `speed` (measure_cpu), unknown without it."""
     ram = device_memory(torch.device("cpu"))
-    unknown = "not measured by kestrel"
+    unknown = "not measured: `kestrel plan --measure` measures it"
+    seen = None if speed is None else f"measured now on {speed.threads} torch thread(s) (kestrel plan --measure)"
     facts = {
         "memory": Fact(ram / 2**20, "MiB", "measured", "this machine (os.sysconf)"),
-        "memory_bandwidth": Fact(None, "TB/s", "unknown", unknown),
+        "memory_bandwidth": (Fact(None, "TB/s", "unknown", unknown) if speed is None
+                             else Fact(speed.bandwidth / 1e12, "TB/s", "measured", f"a copy, {seen}")),
+        "fp32_dense": (Fact(None, "TFLOPS", "unknown", unknown) if speed is None
+                       else Fact(speed.flop_rate / 1e12, "TFLOPS", "measured", f"float32 matmuls, {seen}")),
         "bf16_dense": Fact(None, "TFLOPS", "unknown", unknown),
         "fp8_dense": Fact(None, "TFLOPS", "unknown", unknown),
         "fp4_dense": Fact(None, "TFLOPS", "unknown", unknown),

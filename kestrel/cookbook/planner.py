@@ -19,7 +19,8 @@ from ..disagg.size import handoff_bytes
 from ..distributed.layout import ParallelLayout
 from ..engine.args import EngineArgs
 from ..engine.cache.planner import MemoryPlan, MemoryPlanError, plan_memory
-from .hardware import CPU, Device, catalog, get_device, local_cpu
+from .context_cost import ContextCost, context_cost
+from .hardware import CPU, CpuSpeed, Device, catalog, get_device, local_cpu
 from .layout import Layout, NodeLayout, check_layout, node_layout
 from .model import DTYPES, EXPERTS, KV_DTYPES, SSM_DTYPES, ModelFacts, model_facts
 from .moe_traffic import PATHS, moe_bytes_per_token, moe_layers
@@ -54,6 +55,7 @@ class PlanRequest:
     batches: tuple[int, ...] = DEFAULT_BATCHES
     context: int | None = None                  # roofline context length (default: avg_request_len)
     compare_devices: bool = True                # also find the minimum device count on every catalog device
+    cpu_speed: CpuSpeed | None = None           # hardware "cpu": this machine's measured bandwidth and flop rate
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Plan:
     min_devices: dict[str, int | None]
     roofline: list[DecodeStep]
     crossovers: list[Crossover]
+    context_cost: ContextCost                   # one token's context-dependent work at the roofline's context
     unknowns: list[Unknown]
     notes: list[str]
     handoff_bytes: int | None                   # a PD role's handoff of one avg_request_len prompt; None: Unified
@@ -107,6 +110,14 @@ class Plan:
     @property
     def weight_bytes_per_rank_total(self) -> int:
         return sum(self.weight_bytes_per_rank.values())
+
+    @property
+    def rank_speed(self) -> tuple[float, float] | None:
+        """(bytes/s, flops/s) of one rank, or None when the device's bandwidth or flop rate is unknown."""
+        bandwidth, rate = self.device.bandwidth_bytes_per_s, self.device.flop_rate
+        if bandwidth is None or rate is None:
+            return None
+        return bandwidth / self.device.ranks_per_device, rate / self.device.ranks_per_device
 
     @property
     def admitted_requests(self) -> int | None:
@@ -142,6 +153,7 @@ class Plan:
             "min_devices": self.min_devices,
             "roofline": [step.as_dict() for step in self.roofline],
             "crossovers": [asdict(c) for c in self.crossovers],
+            "context_cost": self.context_cost.as_dict(),
             "unknowns": [asdict(u) for u in self.unknowns],
             "notes": self.notes,
             "handoff_bytes": self.handoff_bytes,
@@ -373,7 +385,10 @@ def _unknowns(device: Device, request: PlanRequest, draft_bytes: int | None) -> 
                                 ("fits", "pool sizes", "KV token capacity", "concurrency cap", "minimum device count")))
     if device.bandwidth_bytes_per_s is None:
         unknowns.append(Unknown(f"{device.id} memory bandwidth", device.fact("memory_bandwidth").source,
-                                ("decode roofline tokens/s per user and per device",)))
+                                ("decode roofline tokens/s per user and per device", "per-token times at a context")))
+    elif device.flop_rate is None:
+        unknowns.append(Unknown(f"{device.id} dense multiply rate", device.fact("bf16_dense").source,
+                                ("per-token times at a context",)))
     if device.devices_per_node is None and request.nodes is None:
         unknowns.append(Unknown(f"{device.id} devices per node", device.fact("devices_per_node").source,
                                 ("node count",)))
@@ -499,7 +514,7 @@ def plan(request: PlanRequest) -> Plan:
     Plans are cached per request: treat them as read-only."""
     _check_request(request)
     layout = request.layout
-    device = local_cpu(layout.world) if request.hardware == CPU else get_device(request.hardware)
+    device = local_cpu(layout.world, request.cpu_speed) if request.hardware == CPU else get_device(request.hardware)
     model = model_facts(request.model, request.dtype)
     request = _sized_request(request, model)
     check_layout(layout, model)
@@ -550,6 +565,7 @@ def plan(request: PlanRequest) -> Plan:
                 slots_per_request=slots, verify_states=verify,
                 balanced_ratio=balanced, ratio=ratio, memory_bytes_per_rank=memory_per_rank, pools=pools, fits=fits,
                 fit_reason=reason, min_devices=others, roofline=steps, crossovers=_crossovers(model, steps),
+                context_cost=context_cost(model, context, settings, layout),
                 unknowns=_unknowns(device, request, draft_bytes), notes=_notes(request, settings, model),
                 handoff_bytes=_handoff_bytes(request, model, settings),
                 moe_bytes_per_token=_moe_traffic(model, layout))

@@ -115,11 +115,36 @@ def plan_text(plan: Plan) -> str:
                      f"{_rate(step.tokens_per_s_per_device):>10} "
                      f"{'-' if cross.kv_context is None else f'{cross.kv_context:,}':>14} "
                      f"{'-' if cross.indexer_context is None else f'{cross.indexer_context:,}':>17} {at_max:>23}")
+    lines += ["", *_context_cost_lines(plan)]
     if plan.unknowns:
         lines += ["", "unknown (and what it blocks):"]
         lines += [f"  {u.fact}: {u.source} -> blocks {', '.join(u.blocks)}" for u in plan.unknowns]
     lines += ["", "notes:", *(f"  - {n}" for n in plan.notes)]
     return "\n".join(lines)
+
+
+def _context_cost_lines(plan: Plan) -> list[str]:
+    """What one token of one sequence costs at the roofline's context beyond the weights: the indexer's scan, the
+    selected keys' attention, the KDA state (kestrel.cookbook.context_cost), with times where the device's speed is
+    known."""
+    cost, speed = plan.context_cost, plan.rank_speed
+
+    def row(name: str, nbytes: float | None, flops: float, seconds: float | None) -> str:
+        return (f"{name:<26} {'-' if nbytes is None else _mb(nbytes):>12} {flops / 1e6:>12,.2f} "
+                f"{'unknown' if seconds is None else f'{seconds * 1e3:,.3f} ms':>14}")
+
+    lines = [f"per token at context {cost.context:,}, what depends on the context (one sequence, one rank; "
+             f"attention over {cost.selected:,} keys)",
+             f"{'':<26} {'bytes':>12} {'MFLOP':>12} {'time at least':>14}"]
+    parts = (("indexer scan", cost.index_scan), ("selected-key attention", cost.attention),
+             ("KDA state", cost.kda_state))
+    lines += [row(name, part.bytes, part.flops, None if speed is None else part.seconds(*speed))
+              for name, part in parts if part.flops]
+    lines.append(row("decode token", cost.decode.bytes, cost.decode.flops,
+                     None if speed is None else cost.decode_seconds(*speed)))
+    lines.append(row(f"prompt token ({cost.context:,})", None, cost.prefill_index_flops + cost.prefill_attention_flops,
+                     None if speed is None else cost.prefill_seconds(speed[1])))
+    return lines
 
 
 def recipe_text(recipe: Recipe) -> str:

@@ -30,6 +30,7 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 SEQ_LENS = [7, 4]                               # two packed sequences: causality must not cross between them
 REL = 1e-5
 MODEL_REL = 1e-4                                # a whole model: see test_attn_res_model_forward_matches_the_spec
+ORACLE_ROWS = 1024                              # queries per block of mla_oracle's [H, rows, T] scores
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL) -> None:
@@ -177,11 +178,14 @@ def mla_oracle(layer: GatedMLA, x: torch.Tensor, allowed: torch.Tensor | None = 
     kv = linear(c_kv, layer.kv_b_proj).view(steps, heads, nope + v_dim)
     k = torch.cat([kv[..., :nope], ckv[:, latent:].unsqueeze(1).expand(steps, heads, shared)], dim=-1)
     v = kv[..., nope:]
-    scores = torch.einsum("thd,shd->hts", q, k) * (nope + shared) ** -0.5
     causal = torch.ones(steps, steps, dtype=torch.bool).tril()
     if allowed is not None:
         causal = causal & allowed
-    attn = torch.einsum("hts,shv->thv", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+    blocks = []
+    for rows in (slice(r, r + ORACLE_ROWS) for r in range(0, steps, ORACLE_ROWS)):
+        scores = torch.einsum("thd,shd->hts", q[rows], k) * (nope + shared) ** -0.5
+        blocks.append(torch.einsum("hts,shv->thv", scores.masked_fill(~causal[rows], float("-inf")).softmax(-1), v))
+    attn = torch.cat(blocks)
     gated = attn.reshape(steps, heads * v_dim) * torch.sigmoid(linear(x, layer.g_proj))
     return linear(gated, layer.o_proj)
 
@@ -315,12 +319,27 @@ def attn_res_mix(sources: list[torch.Tensor], norm: nn.Module, proj: nn.Linear, 
     return sum(p.unsqueeze(-1) * v for p, v in zip(probs, sources))
 
 
+def spec_sublayers(layer: nn.Module, batch: ForwardBatch, config) -> tuple:
+    """The float64 oracles of a decoder layer's attention and FFN (spec 4, 5.1, 6, 3) for one sequence."""
+    attention = kda_oracle if isinstance(layer.self_attn, KimiDeltaAttention) else mla_oracle
+    ffn = ((lambda x: moe_oracle(layer.ffn, x, config.routed_scaling_factor)[0]) if isinstance(layer.ffn, MoE)
+           else (lambda x: gated_mlp(x, layer.ffn)))
+    assert batch.num_seqs == 1
+    return (lambda x: attention(layer.self_attn, x)), ffn
+
+
+def kestrel_sublayers(layer: nn.Module, batch: ForwardBatch, config) -> tuple:
+    """The decoder layer's own attention and FFN, run in float32 on float64 inputs."""
+    return (lambda x: layer.self_attn(x.float(), batch).double()), (lambda x: layer.ffn(x.float()).double())
+
+
 def attn_res_logits(model: KimiForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch,
-                    partials: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                    partials: dict[int, torch.Tensor] | None = None, sublayers=kestrel_sublayers) -> torch.Tensor:
     """Spec 3's top-level loop in float64: the block bank B, the running partial P, a snapshot every
     attn_res_block_size layers, the two mixes per layer and the output mix, then the final norm and lm_head.
-    Each sublayer (attention, FFN) is kestrel's own, run in float32 on the oracle's normed input. partials, when
-    given, receives P after every layer (what a forward hook on the layer sees in NeMo's K3 model)."""
+    Each sublayer (attention, FFN) is `sublayers`' (kestrel's own, run in float32 on the oracle's normed input, or
+    spec_sublayers: every sublayer a float64 oracle). partials, when given, receives P after every layer (what a
+    forward hook on the layer sees in NeMo's K3 model)."""
     config, inner = model.config, model.model
     eps, block = config.rms_norm_eps, config.attn_res_block_size
     bank: list[torch.Tensor] = []
@@ -331,10 +350,10 @@ def attn_res_logits(model: KimiForCausalLM, input_ids: torch.Tensor, batch: Forw
         if index % block == 0:
             bank.append(partial)
             partial = torch.zeros_like(partial)
-        normed = rms_norm(h, layer.input_layernorm.weight, eps)
-        partial = partial + layer.self_attn(normed.float(), batch).double()
+        attention, ffn = sublayers(layer, batch, config)
+        partial = partial + attention(rms_norm(h, layer.input_layernorm.weight, eps))
         m = attn_res_mix(bank + [partial], layer.mlp_res_norm, layer.mlp_res_proj, eps)
-        partial = partial + layer.ffn(rms_norm(m, layer.post_attention_layernorm.weight, eps).float()).double()
+        partial = partial + ffn(rms_norm(m, layer.post_attention_layernorm.weight, eps))
         if partials is not None:
             partials[index] = partial
     hidden = attn_res_mix(bank + [partial], inner.output_attn_res_norm, inner.output_attn_res_proj, eps)
@@ -386,3 +405,15 @@ def test_attn_res_model_forward_matches_the_spec(preset: str):
                               generator=torch.Generator().manual_seed(12))
     assert_matches(model.compute_logits(model(input_ids, batch)), attn_res_logits(model, input_ids, batch),
                    rel=MODEL_REL)
+
+
+@torch.no_grad()
+def test_whole_k3_model_with_every_sublayer_in_float64_matches_the_spec():
+    """Oracle: spec 3's loop with every sublayer a float64 oracle too (KDA 4.1-4.3, MLA 5.1, latent MoE 6, the dense
+    SiTU MLP), over one sequence; the same bound as with kestrel's sublayers."""
+    model, _ = tiny_model("k3-tiny")
+    randomize_norm_weights(model, seed=11)
+    batch = ForwardBatch.build([11])
+    input_ids = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(14))
+    assert_matches(model.compute_logits(model(input_ids, batch)),
+                   attn_res_logits(model, input_ids, batch, sublayers=spec_sublayers), rel=MODEL_REL)

@@ -21,7 +21,7 @@ bfloat16 cache's and the largest logprob difference, no bound. Writes the sectio
 docs/benchmarks.md.
 
 Run: .venv/bin/python benchmarks/check_long_context.py [--context 131072] [--new 16] [--no-write]
-About 10 minutes at 131,072 tokens on 2 cores (five long prefills).
+About 20 minutes at 131,072 tokens on 2 cores (five long prefills, every engine deterministic).
 """
 
 from __future__ import annotations

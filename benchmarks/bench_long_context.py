@@ -179,12 +179,7 @@ def report(after: dict, before: dict | None, args: argparse.Namespace) -> str:
              "token; on the CPU one kernel, `kestrel_cpu::indexer_topk`, keeps each token's best positions as it "
              "scores them) and a prefill chunk with the scores of all its causal keys (O(T^2) over a prompt, 128 "
              "fused multiply-adds per token and key per layer); attention reads the 64 selected latents per query, "
-             "and KDA's state and the MoE do not grow. Against the plan: a prompt token's growth is the multiply-adds "
-             "at close to the sgemm rate (the kernel's bound); a decode token's scan takes about 5x the plan's bound, "
-             "since for one token the kernel spends more on transposing each block of keys (which keeps the "
-             "reference's summation order, so the selection equals it bit for bit) than on the multiply-adds, and the "
-             "indexer's projections cost the same at every context (its 0.4 ms at 1K). "
-             "The before run went to 32K only (`context_length=40960`)."]
+             "and KDA's state and the MoE do not grow. The before run went to 32K only (`context_length=40960`)."]
     if before:
         lines.append(f"Before: {growth(before)} ({before['machine']}, load {before['load']:.1f}).")
     lines.append(f"{label.capitalize()}: {growth(after)} ({after['machine']}, load {after['load']:.1f}).")
@@ -216,6 +211,11 @@ def prediction_tables(run: dict) -> list[str]:
         plan_growth = 1e6 * (plans[c]["prefill_s"] - plans[base]["prefill_s"])
         prefill_rows.append([f"{c // 1024}K", f"{rate:.0f}", f"{1 / (1 / first + plan_growth / 1e6):.0f}",
                              "-" if c == base else f"{growth:.0f}", "-" if c == base else f"{plan_growth:.0f}"])
+    last = max(DECODE_CONTEXTS)
+    scan = run["select_ms"][str(last)] - run["select_ms"][str(base)]
+    plan_scan = 1000 * (plans[last]["index_scan_s"] - plans[base]["index_scan_s"])
+    prefill_growth = 1 / run["prefill_tok_s"][str(last)] - 1 / first
+    plan_prefill = plans[last]["prefill_s"] - plans[base]["prefill_s"]
     return [f"The plan's predictions on this CPU (`kestrel plan --model models/k3.1-tiny --hardware cpu --engine "
             f"kestrel --tp 1 --context C --measure`, kestrel.cookbook.context_cost) with the speed measured in this "
             f"run on {speed.threads} thread(s): a copy at {speed.bandwidth / 1e9:.1f} GB/s, float32 matmuls at "
@@ -226,7 +226,14 @@ def prediction_tables(run: dict) -> list[str]:
             markdown_table(["context", "decode ms/step", "indexer ms/step", "indexer share", "indexer ms planned",
                             "measured / planned", "step growth over 1K (ms)", "planned growth (ms)"], decode_rows),
             markdown_table(["context", "prefill tok/s", "planned tok/s (1K's measured + the planned growth)",
-                            "growth per prompt token over 1K (us)", "planned growth (us)"], prefill_rows)]
+                            "growth per prompt token over 1K (us)", "planned growth (us)"], prefill_rows),
+            f"At {last // 1024}K a prompt token's growth runs at {plan_prefill / prefill_growth:.0%} of the plan's "
+            f"bound (the indexer's multiply-adds at the matmul rate: the kernel is compute-bound there); a decode "
+            f"token's scan "
+            f"takes {scan / plan_scan:.1f}x the plan's bound (less the indexer's {run['select_ms'][str(base)]:.2f} ms "
+            "at 1K, its projections and the call, the same at every context): for one token the kernel spends more "
+            "on transposing each block of keys, which keeps the reference's summation order so that the selection "
+            "equals it bit for bit, than on the multiply-adds."]
 
 
 def plot(after: dict, before: dict | None) -> str:

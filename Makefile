@@ -28,7 +28,7 @@ serve: $(VENV)/.runtime
 # s in one process.
 test: $(VENV)/.test
 	sh tools/install_browser.sh
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 # Parses every SGLang, vLLM and SGLang-router command the cookbook emits with the engines' own argument parsers
 # (SGLang 0.5.23, vLLM 0.34.0 and sglang-router 0.3.2 from PyPI, --no-deps, in .cache/upstream-venv: about 100 s to

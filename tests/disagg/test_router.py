@@ -25,8 +25,6 @@ from kestrel.disagg.wire import read_frame, write_frame
 from server_helpers import free_port
 from test_transport import corrupting_proxy
 
-pytestmark = pytest.mark.xdist_group("router_fleet")   # one worker builds the module's fixture
-
 SERVE_FLAGS = ["--page-size", "4", "--chunked-prefill-size", "8", "--disaggregation-timeout", "30",
                "--dtype", "float32"]       # float32: the TP2 x DCP2 prefill instance's state rounds as one process's
 PROMPT = "ROMEO: My lord, the king is dead, and all his men are fled. JULIET:"

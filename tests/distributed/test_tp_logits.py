@@ -33,8 +33,6 @@ from kestrel.distributed.layout import ParallelLayout
 from kestrel.engine.model_runner import Save
 from tp_script import CHUNKS, FORK_AT, SEQUENCES, a2a_pairs, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
 
-pytestmark = pytest.mark.xdist_group("tp_logits")   # one worker builds the module's fixture
-
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 """float32: the ranks sum partial projections in another order than one process does (measured: at most 2e-5
 absolute; dropping the indexer's score reduction moves logits by 2.1)."""

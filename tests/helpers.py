@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import tokenizers
 import torch
+from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -252,3 +254,16 @@ def write_model(folder, preset: str = "k3.1-tiny", seed: int = 0, **overrides) -
     model = init_weights(build_model(parse_config(raw), torch.float32), seed=seed, std=0.1)
     save_model(model, folder, config_json=raw)
     write_tokenizer(folder)
+
+
+def computed_once(tmp_path_factory, name: str, compute: Callable[[], dict]) -> dict:
+    """compute()'s result (tensors, numbers, strings), computed once per test run: under pytest-xdist the first
+    worker to ask computes and saves it in the run's shared temporary folder and the others load it (a module
+    fixture would otherwise be built once per worker); without xdist, computed in place."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent / f"{name}.pt"         # this run's, shared by its workers
+    with FileLock(f"{shared}.lock"):
+        if not shared.is_file():
+            torch.save(compute(), shared)
+        return torch.load(shared)

@@ -31,6 +31,7 @@ from kestrel.models.init import init_weights
 from kestrel.models.presets import tiny_config
 from kestrel.distributed.layout import ParallelLayout
 from kestrel.engine.model_runner import Save
+from helpers import computed_once
 from tp_script import CHUNKS, FORK_AT, SEQUENCES, a2a_pairs, forwards, handoff_parts_of_a, mtp_logits, oracle, rank_main, run_script
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -95,7 +96,12 @@ def case_name(model: str, tp: int, ep: int, pp: int, dcp: int, dp: int, a2a: int
 
 @pytest.fixture(scope="module")
 def rank_results(folders, tmp_path_factory) -> dict:
-    """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks)."""
+    """Every case's logits and every rank's pools, from one spawned group per world size (2 and 4 ranks), once per
+    test run (the models are the same in every worker: fixed seeds)."""
+    return computed_once(tmp_path_factory, "tp_logits_rank_results", lambda: spawn_cases(folders, tmp_path_factory))
+
+
+def spawn_cases(folders: dict[str, str], tmp_path_factory) -> dict:
     results = {}
     for world in sorted({tp * pp for _, tp, _, pp, _, _, _, _ in CASES}):
         out = tmp_path_factory.mktemp("ranks") / "logits.pt"

@@ -85,7 +85,7 @@ class Buffer:
         self.data += data
 
     async def drain(self) -> None:
-        pass
+        """Nothing to wait for: memory takes every byte as it is written."""
 
 
 async def over_the_wire(handoff: Handoff) -> tuple[Handoff, int]:
@@ -144,7 +144,7 @@ def check(context: int, new: int) -> dict:
             "fp8 latents and indexer keys": (fp8, cold)}
     return {"context": context, "new": new, "seconds": time.perf_counter() - began, "sent": sent,
             "planned": planned, "turn": len(turn),
-            "rows": {name: {"cached": a.cached, "same": a.against(b)[0], "diff": a.against(b)[1]}
+            "rows": {name: dict(zip(("same", "diff"), a.against(b)), cached=a.cached)
                      for name, (a, b) in rows.items()}}
 
 

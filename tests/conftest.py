@@ -32,3 +32,13 @@ torch.set_num_threads(1)
 def family_model(request):
     """(model, raw config) for each of kimi_linear, K3 and K3.1."""
     return tiny_model(request.param)
+
+
+@pytest.fixture
+def torch_paths():
+    """kestrel's CPU kernels off for the test (`--disable-cpu-kernels`): every op takes its torch path."""
+    from kestrel.ops import cpu
+
+    cpu.set_enabled(False)
+    yield
+    cpu.set_enabled(True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..models.dflash_draft import is_dflash_draft, is_dspark_draft
+from ..ops import cpu
 from ..ops.backend import CHOICES, FAMILIES, set_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -21,7 +22,8 @@ MODEL_DRAFTERS = ("NEXTN", "DFLASH")
 """The speculative algorithms whose drafters read the target's final hidden states."""
 HELP = {
     "model": "model folder",
-    "dtype": "weights and activations: auto (the checkpoint's), float32 or bfloat16",
+    "dtype": "weights and activations: auto (the checkpoint's; float32 on the CPU, whose kernels compute in "
+             "float32), float32 or bfloat16",
     "device": "cpu or cuda",
     "mem_fraction_static": "share of the device's memory for the weights and both pools (default: 0.85 on CUDA, "
                            "0.1 of RAM on CPU)",
@@ -77,6 +79,9 @@ HELP = {
     "speculative_draft_model_path": "DFLASH, DSPARK: the draft's folder; STANDALONE: the draft model's",
     "speculative_token_map": "NEXTN, DFLASH: a file of token ids the drafts are chosen among (FR-Spec)",
     "disable_cuda_graph": "decode eagerly even where CUDA graphs could replay it",
+    "disable_cpu_kernels": "CPU: compute with torch's own kernels only (the reference), not kestrel's C++ kernels "
+                           "(products of up to 4 rows, routed experts, the KDA state step, the indexer's top-k); "
+                           "for debugging: 1.3-2x slower decode",
     "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph (bigger ones run eagerly)",
     "enable_torch_compile": "CPU: compile decode steps and the KDA prefill's chunk terms with torch.compile, each "
                             "shape's graph when first needed (a step waits for it: tens of seconds); the code is "
@@ -100,7 +105,7 @@ class EngineArgs:
     """
 
     model: str
-    dtype: str = "auto"                          # auto (the checkpoint's), float32, bfloat16
+    dtype: str = "auto"                          # auto (the checkpoint's; float32 on the CPU), float32, bfloat16
     device: str = "cpu"
     mem_fraction_static: float | None = None     # default: 0.85 on CUDA, 0.1 of RAM on CPU
     mamba_full_memory_ratio: float = 0.9
@@ -158,6 +163,7 @@ class EngineArgs:
     speculative_token_map: str | None = None     # NEXTN, DFLASH: a file of token ids the drafts are chosen among
                                                  # (SGLang's FR-Spec flag; spec/token_map.py)
     disable_cuda_graph: bool = False             # decode eagerly even where CUDA graphs could replay it
+    disable_cpu_kernels: bool = False            # CPU: torch's kernels only, not kestrel.ops.cpu's (process-wide)
     cuda_graph_max_bs: int = 128                 # largest decode batch replayed from a graph (bigger run eagerly)
     enable_torch_compile: bool = False           # CPU: decode steps (decode_graphs.py) and the KDA prefill's chunk
                                                  # terms (ops/torch/kda.py) compiled by torch.compile, a step waiting
@@ -278,10 +284,20 @@ class EngineArgs:
                  if getattr(self, name) is not None}
         return dataclasses.replace(self, **share)
 
+    def model_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The dtype the model is loaded in (None: the checkpoint's). auto is float32 on the CPU: kestrel's CPU
+        kernels and torch's CPU products compute in float32, and a bfloat16 step widens operands in every product
+        (the bundled model's eager decode step: 6.9 ms in float32 against 12.8 in bfloat16, one thread)."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.float32 if device.type == "cpu" else None
+
     def apply_backends(self) -> None:
-        """Make every op family run the implementation chosen here (a process-wide setting)."""
+        """Make every op family run the implementation chosen here, and kestrel's CPU kernels run or not (a
+        process-wide setting)."""
         for family in FAMILIES:
             set_backend(getattr(self, f"{family}_backend"), family)
+        cpu.set_enabled(not self.disable_cpu_kernels)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:

@@ -90,7 +90,7 @@ def load_shard(args: EngineArgs, par: Parallel, device: torch.device, control: d
     (decode by CUDA graphs), the pools get one scratch slot and page beyond the plan."""
     args.apply_backends()
     layout = par.layout
-    model = load_model(Path(args.model), None if args.dtype == "auto" else DTYPES[args.dtype], device, par,
+    model = load_model(Path(args.model), args.model_dtype(device), device, par,
                        embed_last_stage=args.speculative_algorithm in MODEL_DRAFTERS)
     config = model.config
     if args.enable_deterministic_inference:

@@ -67,6 +67,14 @@ every row count ([128, 1024] 1.5-2.0x MKL's time), and at 4 to 15 rows blocked_l
 times the same weights from cache). In one process switching between the two, the 437M K3's compiled 32-sequence
 decode ran 196 against 188 tok/s (medians of 6 rounds; per-round ratios 0.94-1.16).
 
+Eagerly (kestrel's default decode), products of up to DOTS_ROWS rows by a row-major weight run on kestrel.ops.cpu's
+`linear_dots`, on every CPU: each weight row is read once into whole vectors and dotted with each row of x. On the
+AMD EPYC (weights cycled so that they come from memory) it streamed the 437M K3's [1024, 1024] at 29 GB/s on 2
+threads against MKL's 15 and oneDNN's 20, its [32000, 1024] LM head at 28 against 15 and 31, and 4 rows of them 1.3-
+2.4x faster than either; at one thread 17-22 GB/s against MKL's 13-16 and oneDNN's 13-22. The 437M K3's eager batch-1
+decode step took 46 ms with it (and the experts and KDA state on their kernels) against 91 before. Column-major
+weights (hold_column_major) keep MKL.
+
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
 call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).
 """
@@ -100,6 +108,8 @@ ROWS_KERNEL = (16, 64)
 MKL runs (module docstring)."""
 ROWS_KERNEL_MIN_WEIGHT = 1 << 19
 """The fewest elements (2 MB in float32) of a weight that ROWS_KERNEL rows multiply on the kernel."""
+DOTS_ROWS = 4
+"""Up to this many rows, eager products by a row-major weight are kestrel_cpu.linear_dots' (module docstring)."""
 PACK_ROWS = 32
 """The row count oneDNN lays packed weights out for (module docstring: any count from 4 to 128 serves 1 to 128 rows
 alike; one packed for 1 row is no faster than the plain weight at more)."""
@@ -189,6 +199,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if ONEDNN and torch.compiler.is_dynamo_compiling() and x.numel() == x.shape[-1]:
         return compiled_matvec(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
+    if (rows.shape[0] <= DOTS_ROWS and weight.is_contiguous() and not torch.compiler.is_dynamo_compiling()
+            and cpu_kernels.available()):
+        return torch.ops.kestrel_cpu.linear_dots(rows.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if (not ONEDNN and ROWS_KERNEL[0] <= rows.shape[0] <= ROWS_KERNEL[1] and weight.numel() >= ROWS_KERNEL_MIN_WEIGHT
             and weight.is_contiguous() and cpu_kernels.available()):
         return linear_rows(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])

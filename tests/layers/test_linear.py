@@ -1,5 +1,6 @@
-"""kestrel.layers.linear: the oneDNN GEMM path and the blocked GEMM equal F.linear (float32 rounding), traced and
-untraced; every other case is F.linear itself, gradients included; hold_column_major re-lays exactly the weights
+"""kestrel.layers.linear: up to four rows take kestrel_cpu.linear_dots eagerly, within float32's bound of the float64
+product; the oneDNN GEMM path and the blocked GEMM equal F.linear (float32 rounding), traced and untraced (with the
+CPU kernels off where few rows would take linear_dots); every other case is F.linear itself, gradients included; hold_column_major re-lays exactly the weights
 its rule names, keeping their values; a fused LinearGroup is one product equal to its members'."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def weights(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [(0,), (1,), (7,), (64,), (3, 5)])
-def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch):
+def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch, torch_paths):
     monkeypatch.setattr(linear_module, "ONEDNN", True)               # whatever this machine's CPU prefers
     weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(1))
     x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(2))
@@ -38,7 +39,45 @@ def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch)
     torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_intel_cpus_keep_mkl_every_other_cpu_takes_onednn(monkeypatch):
+@pytest.mark.parametrize("rows, layout, dots", [
+    ((1,), "row-major", True), ((4,), "row-major", True), ((2, 2), "row-major", True), ((0,), "row-major", True),
+    ((5,), "row-major", False), ((1,), "column-major", False),
+])
+@pytest.mark.parametrize("onednn", [False, True])
+def test_up_to_four_rows_take_linear_dots_eagerly(rows, layout, dots, onednn, monkeypatch):
+    """Up to DOTS_ROWS rows by a row-major float32 weight take kestrel_cpu.linear_dots eagerly on every CPU, within
+    float32's bound of the float64 product (gamma_{in+1} of the absolute products, any summation order); more rows
+    and column-major weights do not, nor a traced graph, nor anything with the CPU kernels off."""
+    from kestrel.ops import cpu
+
+    assert cpu.load()
+    monkeypatch.setattr(linear_module, "ONEDNN", onednn)
+    weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(12))
+    if layout == "column-major":
+        weight = linear_module.column_major(weight)
+    x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(13))
+    calls, op = [], torch.ops.kestrel_cpu.linear_dots
+    monkeypatch.setattr(torch.ops.kestrel_cpu, "linear_dots", lambda *args: calls.append(1) or op(*args))
+    with torch.inference_mode():
+        actual = linear(x, weight, bias)
+        assert bool(calls) == dots and actual.shape == (*rows, 1024)
+        n, u = 1025, 2.0 ** -24
+        bound = n * u / (1 - n * u) * (x.double().abs() @ weight.double().abs().T + bias.double().abs())
+        assert ((actual.double() - (x.double() @ weight.double().T + bias.double())).abs() <= bound).all()
+        calls.clear()
+        torch.compile(lambda x: linear(x, weight, bias), backend="aot_eager", fullgraph=True)(x)
+        assert not calls
+        cpu.set_enabled(False)
+        try:
+            off = linear(x, weight, bias)
+        finally:
+            cpu.set_enabled(True)
+        assert not calls
+        assert ((off.double() - (x.double() @ weight.double().T + bias.double())).abs() <= bound).all()
+    torch._dynamo.reset()
+
+
+def test_intel_cpus_keep_mkl_every_other_cpu_takes_onednn(monkeypatch, torch_paths):
     intel, amd = ("processor\t: {}\nvendor_id\t: {}\nflags\t\t: avx512f\n".format(i, vendor)
                   for i, vendor in enumerate(["GenuineIntel", "AuthenticAMD"]))
     assert not prefers_onednn(intel + intel)
@@ -49,7 +88,7 @@ def test_intel_cpus_keep_mkl_every_other_cpu_takes_onednn(monkeypatch):
         assert torch.equal(linear(x, weight), F.linear(x, weight))
 
 
-def test_the_custom_op_traces_into_a_compiled_graph(monkeypatch):
+def test_the_custom_op_traces_into_a_compiled_graph(monkeypatch, torch_paths):
     monkeypatch.setattr(linear_module, "ONEDNN", True)
     weight, x = weights(1024, 1024), torch.randn(4, 1024, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -202,7 +241,7 @@ def test_hold_column_major_re_lays_the_small_input_weights_f_linear_runs(onednn,
 
 
 @pytest.mark.parametrize("rows", [(1,), (5,), (32,), (3, 43)])
-def test_a_packed_weight_multiplies_as_the_plain_one(rows, monkeypatch):
+def test_a_packed_weight_multiplies_as_the_plain_one(rows, monkeypatch, torch_paths):
     """oneDNN multiplies by pack_onednn's copy in place of the plain weight (it is the one the op receives) at more
     than one row, by the plain weight at one; equal to F.linear within float32 rounding, with a bias too."""
     monkeypatch.setattr(linear_module, "ONEDNN", True)

@@ -141,7 +141,9 @@ def test_moe_layer_matches_its_token_by_token_formula(preset: str, mxfp4: bool, 
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
-def test_held_dense_copies_compute_what_the_packed_experts_do() -> None:
+def test_held_dense_copies_compute_what_the_packed_experts_do(torch_paths) -> None:
+    """On the grouped torch path (the CPU kernel's own MXFP4 and float32 products are tested against the per-token
+    formula in tests/ops/test_moe_experts.py), a held copy multiplies exactly as the packed experts expand."""
     packed, _ = packed_and_dense_moe()
     keys = set(packed.state_dict())
     x = torch.randn(30, 64)
@@ -158,9 +160,10 @@ def test_held_dense_copies_compute_what_the_packed_experts_do() -> None:
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["dense", "held-copy"])
-def test_onednn_copies_compute_what_the_plain_experts_do(held: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_onednn_copies_compute_what_the_plain_experts_do(held: bool, monkeypatch: pytest.MonkeyPatch,
+                                                     torch_paths) -> None:
     """pack_onednn_experts gives dense float32 experts (or a held float32 copy) oneDNN-packed copies of their
-    weights, which the op then multiplies by: with the plain weights zeroed after packing, the MoE's outputs at 1 to
+    weights, which the op's grouped path (the CPU kernel off) then multiplies by: with the plain weights zeroed after packing, the MoE's outputs at 1 to
     30 tokens still equal the plain experts' to float32 rounding, while a wanted gradient reads the plain weights.
     The copies take the weights' bytes; experts under EXPERT_PACKED_MIN_WEIGHT, bfloat16 ones and packed MXFP4
     ones get none, nor any on a CPU that prefers MKL (Intel's), and dropping a held copy drops them."""

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 import kestrel.ops.torch.moe as moe_module
 import kestrel.ops.cpu as cpu
 from kestrel.ops.torch.moe import (ExpertWeights, GLUActivation, _padded_bmm, expand_mxfp4, moe_experts,
-                                   moe_experts_by_pairs, moe_experts_native)
+                                   moe_experts_by_pairs, moe_experts_grouped, moe_experts_native)
 from kestrel.quant import dequantize_mxfp4, quantize_mxfp4
 
 ACTIVATIONS = {"silu": GLUActivation("silu"), "situ": GLUActivation("situ", beta=4.0, linear_beta=25.0)}
@@ -72,7 +72,7 @@ def grouped_custom_op(z, ids, weights, experts: ExpertWeights, activation: GLUAc
                                                  activation.beta, activation.linear_beta, False)
 
 
-PATHS = {"grouped": moe_experts, "by_pairs": moe_experts_by_pairs, "custom_op": grouped_custom_op}
+PATHS = {"dispatched": moe_experts, "grouped": moe_experts_grouped, "by_pairs": moe_experts_by_pairs, "custom_op": grouped_custom_op}
 FORMS = {"dense": {"mxfp4": False}, "fused": {"mxfp4": False, "fused": True}, "mxfp4": {"mxfp4": True}}
 DENSE_FORMS = [form for form, options in FORMS.items() if not options["mxfp4"]]
 
@@ -244,9 +244,9 @@ def test_experts_are_used_in_place(tokens: int, mxfp4: bool) -> None:
     experts = make_experts(mxfp4, generator, dim, inter)
     z = torch.randn(tokens, dim, generator=generator)
     ids, weights = routing(tokens, generator)
-    moe_experts(z, ids, weights, experts, ACTIVATIONS["situ"])          # builds the expansion table once
+    moe_experts_grouped(z, ids, weights, experts, ACTIVATIONS["situ"])          # builds the expansion table once
     with LargestNewTensor() as mode:
-        moe_experts(z, ids, weights, experts, ACTIVATIONS["situ"])
+        moe_experts_grouped(z, ids, weights, experts, ACTIVATIONS["situ"])
     matrix = inter * dim * 4
     assert mode.largest == matrix if mxfp4 else mode.largest < matrix
 

@@ -18,6 +18,9 @@
 - `linear_rows(x, w, bias=None)` (linear_rows.cpp): x float32 [M, in] @ w [out, in]^T + bias [out] -> [M, out],
   each weight read from memory once for up to 64 rows of x (32 with AVX2) and broadcast against a vector of them;
   kestrel.layers.linear multiplies a batched decode step's rows by the large weights on it.
+- `linear_dots(x, w, bias=None)` (linear_dots.cpp): x float32 [M <= 4, in] (rows contiguous) @ w [out, in]^T +
+  bias [out] -> [M, out] as dot products along the input dim, each weight read once into a whole vector; the
+  eager products of a decode step of up to 4 sequences (kestrel.layers.linear).
 - `invariant_mm(a, b)` (invariant_mm.cpp): a float32 [M, K] @ b [K, N] (rows contiguous) -> [M, N], or batched
   [B, M, K] @ [B, K, N] -> [B, M, N], every output one
   fused multiply-add per input from zero, k ascending, as linear_rows sums too: the batch-invariant GEMM of
@@ -88,6 +91,10 @@ def _load() -> bool:
     def _(x, w, bias=None):
         return x.new_empty(x.shape[0], w.shape[0])
 
+    @torch.library.register_fake("kestrel_cpu::linear_dots")
+    def _(x, w, bias=None):
+        return x.new_empty(x.shape[0], w.shape[0])
+
     @torch.library.register_fake("kestrel_cpu::invariant_mm")
     def _(a, b):
         return a.new_empty(*a.shape[:-1], b.shape[-1])
@@ -103,10 +110,20 @@ def _load() -> bool:
     return True
 
 
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Let callers take the kernels (the default), or make `available` say no, so that every op takes its torch
+    path (`--disable-cpu-kernels`; process-wide). Deterministic inference's products load them regardless."""
+    global _enabled
+    _enabled = enabled
+
+
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """load(), as a constant to torch.compile's tracing."""
-    return load()
+    """Whether callers take the kernels: enabled, and load() (a constant to torch.compile's tracing)."""
+    return _enabled and load()
 
 
 def _build(isa_flags: list[str]) -> Path:

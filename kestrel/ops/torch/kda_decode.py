@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import cpu
+from .. import batch_invariant, cpu
 from .conv import causal_conv1d_step, causal_conv1d_uniform, causal_conv1d_windows
 from .kda import recurrent_kda, recurrent_kda_step, recurrent_kda_uniform
 
@@ -89,9 +89,10 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     num_heads, head_dim = gate_raw.shape[1:]
     keep = use_state.view(-1, 1, 1)
     conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
-    state = torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
     num_seqs = slots.numel()
     each = num_tokens // max(num_seqs, 1) if cu_seqlens is None else 0        # tokens per sequence, when uniform
+    in_place = each == 1 and not keep_token_states and _state_step_in_place(state_pool)
+    state = None if in_place else torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
     token_conv = None
     if each == 1:
         y, conv_final = causal_conv1d_step(qkv, params.conv_weight, conv_state)
@@ -106,7 +107,7 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)
     beta = torch.sigmoid(beta_raw.float())
     final = None
-    if each == 1 and not keep_token_states and _state_step_in_place(state_pool):
+    if in_place:
         o = torch.ops.kestrel_cpu.kda_state_step_(*(x.float().contiguous() for x in (q, k, v, g, beta)), state_pool,
                                                   slots, use_state, head_dim ** -0.5 if scale is None else scale)
         o = o.to(v.dtype)
@@ -132,10 +133,11 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
 
 
 def _state_step_in_place(state_pool: torch.Tensor) -> bool:
-    """Whether a traced decode step runs the recurrence on the CPU kernel kestrel_cpu::kda_state_step_ (kestrel.ops.cpu:
-    each state read and written once, in place): a contiguous float32 pool on the CPU whose value dim is a whole
-    number of 16-float vectors, the kernels built here."""
-    return (torch.compiler.is_dynamo_compiling() and state_pool.device.type == "cpu"
+    """Whether a decode step runs the recurrence on the CPU kernel kestrel_cpu::kda_state_step_ (kestrel.ops.cpu:
+    each state read and written once, in place), eagerly as compiled: a contiguous float32 pool on the CPU whose
+    value dim is a whole number of 16-float vectors, the kernels built here; not in deterministic inference, whose
+    prefill computes each token as this module's torch recurrence does."""
+    return (not batch_invariant.active() and state_pool.device.type == "cpu"
             and state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[-1] % 16 == 0
             and cpu.available())
 

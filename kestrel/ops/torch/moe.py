@@ -25,8 +25,10 @@ spent in the routed experts, at decode of 1 / 32 sequences and a prefill of 128 
 - packed (the default): 0.53 bytes per weight (140 MiB), nothing more; each call expands the tiles of the experts
   in use, one 65,536-entry table lookup per byte (`expand_mxfp4`, ~1.5 ns per weight, ~10x faster than
   `kestrel.quant.dequantize_mxfp4`). 25 / 257 / 361 ms: the expansion dominates once most experts are in use.
-  The compiled decode step instead decodes the packed weights in registers as the CPU kernel reads them
-  (`moe_experts_native`), the fastest of the three there (NATIVE_PAIRS_PER_EXPERT).
+  Decode steps and short prefills (eager and compiled) instead decode the packed weights in registers as the CPU
+  kernel reads them (`moe_experts_native`, up to NATIVE_PAIRS_PER_EXPERT pairs per expert), the fastest of the
+  three there: the 437M K3's eager batch-1 decode spent 13.5 ms per step in its 11 MoE layers with it against 48.9
+  expanding tiles.
 - a dense bfloat16 copy (`kestrel.layers.moe.RoutedExperts.hold_dense_copy`): +2 bytes per weight (+528 MiB);
   exact (bfloat16 holds every MXFP4 value); used in place by bfloat16 models, cast per call by float32 ones
   (eagerly; the compiled decode step reads it in place, converting as it multiplies: `moe_experts_native`).
@@ -179,18 +181,29 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     runs in z's dtype, its input rounded to MXFP8 first with mxfp8_activations (D and I multiples of 32); the
     weighted sum is accumulated in fp32. Differentiable with respect to z, weights and dense experts.
 
-    Traced by torch.compile (the CPU's compiled decode step), the op takes no host sync: float32, bfloat16 or MXFP4
-    experts under float32 activations run on the CPU kernel (`moe_experts_native`) up to NATIVE_PAIRS_PER_EXPERT
-    pairs per expert; otherwise few pairs (`_by_pairs`) run `moe_experts_by_pairs` in the graph, and more run this
-    grouped computation as one opaque custom op.
+    Float32, bfloat16 or MXFP4 experts under float32 activations run on the CPU kernel (`moe_experts_native`) up
+    to NATIVE_PAIRS_PER_EXPERT pairs per expert, eagerly (unless a gradient is wanted) as in a compiled step. Traced
+    by torch.compile (the CPU's compiled decode step), the op takes no host sync: where the kernel does not take
+    them, few pairs (`_by_pairs`) run `moe_experts_by_pairs` in the graph, and more run `moe_experts_grouped` as one
+    opaque custom op. Eagerly the rest run `moe_experts_grouped`.
     """
+    native = not mxfp8_activations and _native(z, ids.numel(), experts)
     if torch.compiler.is_dynamo_compiling():
-        if not mxfp8_activations and _native(z, ids.numel(), experts):
+        if native:
             return moe_experts_native(z, ids, weights, experts, activation)
         if not mxfp8_activations and _by_pairs(ids.numel(), experts):
             return moe_experts_by_pairs(z, ids, weights, experts, activation)
         return torch.ops.kestrel.moe_experts_grouped(z, ids, weights, *_tensors(experts), activation.kind,
                                                      activation.beta, activation.linear_beta, mxfp8_activations)
+    if native and ids.numel() and not (torch.is_grad_enabled() and (z.requires_grad or weights.requires_grad)):
+        return moe_experts_native(z, ids, weights, experts, activation)
+    return moe_experts_grouped(z, ids, weights, experts, activation, mxfp8_activations)
+
+
+def moe_experts_grouped(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+                        activation: GLUActivation, mxfp8_activations: bool = False) -> torch.Tensor:
+    """moe_experts with the pairs grouped by expert (module docstring): each expert's rows one product. Same shapes;
+    differentiable with respect to z, weights and dense experts."""
     if ids.numel() == 0:
         return torch.zeros_like(z)
     quantize = fake_quantize_mxfp8 if mxfp8_activations else (lambda t: t)
@@ -281,7 +294,7 @@ def moe_experts_native(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     """moe_experts for float32, bfloat16 or MXFP4 experts under float32 activations, by the CPU kernel
     kestrel_cpu::expert_matvec (kestrel.ops.cpu): each expert's rows read in place once for all of its pairs (MXFP4
     ones decoded in registers), multiplied in float32. Same shapes as moe_experts."""
-    if not cpu.available():                                  # builds the kernels on first use
+    if not torch.compiler.is_dynamo_compiling() and not cpu.load():     # builds the kernels on first use
         raise RuntimeError("kestrel's CPU kernels could not be built here (the log says why).")
     num_tokens, top_k = ids.shape
     expert = ids.flatten()                                                         # [P]
@@ -339,9 +352,9 @@ def _moe_experts_grouped(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                          w3: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None,
                          w3_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, w13: torch.Tensor | None,
                          kind: str, beta: float, linear_beta: float, mxfp8_activations: bool) -> torch.Tensor:
-    """moe_experts as one op a compiled graph calls without tracing it (it reads its grouping on the host)."""
+    """moe_experts_grouped as one op a compiled graph calls without tracing it (it reads its grouping on the host)."""
     experts = ExpertWeights(w1, w3, w2, w1_scale, w3_scale, w2_scale, w13)
-    return moe_experts(z, ids, weights, experts, GLUActivation(kind, beta, linear_beta), mxfp8_activations)
+    return moe_experts_grouped(z, ids, weights, experts, GLUActivation(kind, beta, linear_beta), mxfp8_activations)
 
 
 @_moe_experts_grouped.register_fake

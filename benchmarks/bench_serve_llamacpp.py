@@ -118,9 +118,9 @@ def measure_model(llama: LlamaCpp, server: Path, key: str, work: Path, seconds: 
     with llama_server(server, gguf, PORT) as (url, first):
         runs["llama-server"] = drive(url, first, gguf.stem, seconds)
     for name, flags in KESTREL.items():
-        with kestrel_server(["--model", str(folder), *flags], PORT, {"OMP_NUM_THREADS": str(THREADS)},
-                            model=folder.name) as (url, first):
-            runs[name] = drive(url, first, folder.name, seconds)
+        with kestrel_server(["--model", str(folder), "--served-model-name", key, *flags], PORT,
+                            {"OMP_NUM_THREADS": str(THREADS)}, model=key) as (url, first):
+            runs[name] = drive(url, first, key, seconds)
     return {"title": title, "runs": runs, "bytes": {"kestrel": step_bytes(folder), "llama.cpp": step_bytes(dense)}}
 
 

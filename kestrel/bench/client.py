@@ -47,16 +47,25 @@ class Client:
         body = {**spec.body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
         record = RequestRecord(start=self.now(), prompt_tokens=spec.prompt_tokens)
         text: list[str] = []
-        try:
-            async with self.http.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    record.error = f"HTTP {response.status_code}: {_error_message(response)}"
-                    return record, ""
-                async for line in response.aiter_lines():
-                    self._take(line, record, text)
-        except httpx.HTTPError as e:
-            record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        for attempt in range(2):
+            try:
+                async with self.http.stream("POST", path, json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        record.error = f"HTTP {response.status_code}: {_error_message(response)}"
+                        return record, ""
+                    async for line in response.aiter_lines():
+                        self._take(line, record, text)
+                break
+            except httpx.RemoteProtocolError as e:
+                # a kept-alive connection the server closed as it was reused (llama-server closes one after a
+                # number of requests): sent again once, on a new connection, when nothing came back
+                if attempt or record.chunk_times:
+                    record.error = f"{type(e).__name__}: {e}"
+                    break
+            except httpx.HTTPError as e:
+                record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                break
         if record.error is None and not record.chunk_times:
             record.error = "the stream ended without output"
         if record.output_tokens == 0:      # a server that sends no usage: one token per chunk

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kestrel.layers.linear as linear_layers
 import kestrel.layers.moe as moe_layers
-from helpers import assert_idle, tiny_model
+from helpers import FAMILY, assert_idle, tiny_model
 from kestrel import LLM, SamplingParams
 from kestrel.engine import engine as engine_module
 from kestrel.engine.args import EngineArgs
@@ -172,6 +172,54 @@ def test_the_traced_step_equals_the_eager_step(onednn, restore_backends, monkeyp
         assert_float32_of(traced.run(ids, prefix, SEQ_SLOTS, 4).logits, expected)
         ids, prefix = expected.argmax(-1).tolist(), [p + 1 for p in prefix]
     assert traced.forward is not traced._forward and set(traced.steps) == {(4, 4, 1)}
+    for *got, want in zip(*(cache_tensors(cache) for cache in caches), strict=True):
+        for tensor in got:
+            assert_float32_of(tensor, want)
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every op dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+CPU_KERNELS = {"kestrel_cpu.linear_dots", "kestrel_cpu.expert_matvec", "kestrel_cpu.kda_state_step_"}
+
+
+@pytest.mark.parametrize("preset", FAMILY)
+@pytest.mark.parametrize("sequences", [1, 3])
+@torch.inference_mode()
+def test_the_default_eager_step_runs_on_the_cpu_kernels_within_float32s_bound(preset, sequences, restore_backends,
+                                                                           torch_paths):
+    """The default CPU decode step (eager, kestrel's C++ kernels: products of up to 4 rows, the routed experts,
+    MXFP4 ones decoded in registers, the KDA state) and the same step on torch's kernels (--disable-cpu-kernels)
+    both give the float64 step's logits and cache writes within float32's error bound, at 1 sequence and at 3
+    padded to 4, for every family member (Kimi-Linear's dense experts, K3's and K3.1's MXFP4 ones); and the kernels
+    run only when enabled. (The fp8 cache rounds each written row to 3 mantissa bits, outside float32's bound: the
+    engine's fp8 tests, tests/engine/test_engine.py, run on the kernels by default.)"""
+    from kestrel.ops import cpu
+
+    backend.set_backend("torch")
+    # enough experts that the float64 step multiplies each in use alone (torch's grouped GEMM has no float64)
+    model, _ = tiny_model(preset, num_experts=256)
+    reference = copy.deepcopy(model).double()
+    assert cpu.load()
+    ids, prefix = [1, 2, 3][:sequences], [len(p) for p in PROMPTS][:sequences]
+    caches = [prefilled_cache(model), prefilled_cache(model), prefilled_cache(reference, dtype=torch.float64)]
+    steps = [DecodeGraphs(m, cache, page_table(), max_batch_size=4, scratch_slot=SLOTS - 1)
+             for m, cache in zip((model, model, reference), caches)]
+    expected = steps[2].run(ids, prefix, SEQ_SLOTS[:sequences], 4).logits
+    for enabled, step in zip((True, False), steps):
+        cpu.set_enabled(enabled)
+        with OpNames() as ops:
+            assert_float32_of(step.run(ids, prefix, SEQ_SLOTS[:sequences], 4).logits, expected)
+        assert bool(ops.names & CPU_KERNELS) == enabled, ops.names & CPU_KERNELS
     for *got, want in zip(*(cache_tensors(cache) for cache in caches), strict=True):
         for tensor in got:
             assert_float32_of(tensor, want)

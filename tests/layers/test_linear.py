@@ -1,7 +1,8 @@
 """kestrel.layers.linear: up to four rows take kestrel_cpu.linear_dots eagerly, within float32's bound of the float64
 product; the oneDNN GEMM path and the blocked GEMM equal F.linear (float32 rounding), traced and untraced (with the
-CPU kernels off where few rows would take linear_dots); every other case is F.linear itself, gradients included; hold_column_major re-lays exactly the weights
-its rule names, keeping their values; a fused LinearGroup is one product equal to its members'."""
+CPU kernels off where few rows would take linear_dots); every other case is F.linear itself, gradients included;
+hold_column_major re-lays exactly the weights its rule names, keeping their values; a fused LinearGroup is one
+product equal to its members'."""
 
 from __future__ import annotations
 

@@ -163,8 +163,9 @@ def test_held_dense_copies_compute_what_the_packed_experts_do(torch_paths) -> No
 def test_onednn_copies_compute_what_the_plain_experts_do(held: bool, monkeypatch: pytest.MonkeyPatch,
                                                      torch_paths) -> None:
     """pack_onednn_experts gives dense float32 experts (or a held float32 copy) oneDNN-packed copies of their
-    weights, which the op's grouped path (the CPU kernel off) then multiplies by: with the plain weights zeroed after packing, the MoE's outputs at 1 to
-    30 tokens still equal the plain experts' to float32 rounding, while a wanted gradient reads the plain weights.
+    weights, which the op's grouped path (the CPU kernel off) then multiplies by: with the plain weights zeroed
+    after packing, the MoE's outputs at 1 to 30 tokens still equal the plain experts' to float32 rounding, while a
+    wanted gradient reads the plain weights.
     The copies take the weights' bytes; experts under EXPERT_PACKED_MIN_WEIGHT, bfloat16 ones and packed MXFP4
     ones get none, nor any on a CPU that prefers MKL (Intel's), and dropping a held copy drops them."""
     packed, dense = packed_and_dense_moe()

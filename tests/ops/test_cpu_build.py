@@ -48,6 +48,7 @@ def test_the_avx2_build_computes_the_same() -> None:
     result = subprocess.run([sys.executable, "-c", AVX2_RUN, str(tests / "test_moe_experts.py"), "-k",
                              "expert_matvec or cpu_kernel", str(tests / "test_kda_state_step.py"),
                              str(tests / "test_linear_rows.py"), str(tests / "test_linear_dots.py"),
+                             str(tests / "test_attn_res_kernel.py"),
                             f"{tests.parent}/engine/test_decode_graphs.py::test_the_traced_step_equals_the_eager_step"],
                             cwd=tests.parent.parent, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
                             capture_output=True, text=True)

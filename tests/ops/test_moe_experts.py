@@ -72,7 +72,8 @@ def grouped_custom_op(z, ids, weights, experts: ExpertWeights, activation: GLUAc
                                                  activation.beta, activation.linear_beta, False)
 
 
-PATHS = {"dispatched": moe_experts, "grouped": moe_experts_grouped, "by_pairs": moe_experts_by_pairs, "custom_op": grouped_custom_op}
+PATHS = {"dispatched": moe_experts, "grouped": moe_experts_grouped, "by_pairs": moe_experts_by_pairs,
+         "custom_op": grouped_custom_op}
 FORMS = {"dense": {"mxfp4": False}, "fused": {"mxfp4": False, "fused": True}, "mxfp4": {"mxfp4": True}}
 DENSE_FORMS = [form for form, options in FORMS.items() if not options["mxfp4"]]
 

@@ -21,6 +21,9 @@
 - `linear_dots(x, w, bias=None)` (linear_dots.cpp): x float32 [M <= 4, in] (rows contiguous) @ w [out, in]^T +
   bias [out] -> [M, out] as dot products along the input dim, each weight read once into a whole vector; the
   eager products of a decode step of up to 4 sequences (kestrel.layers.linear).
+- `attn_res_mix_norm(sources, mix_norm_weight, proj_weight, mix_eps, norm_weight, norm_eps)`
+  (attn_res_mix_norm.cpp): AttnRes's softmax mix of float32 sources [S, T, D] over depth and the RMSNorm after it
+  -> [T, D], one pass per source and token; kestrel.ops.torch.attn_res runs the eager mix on it.
 - `invariant_mm(a, b)` (invariant_mm.cpp): a float32 [M, K] @ b [K, N] (rows contiguous) -> [M, N], or batched
   [B, M, K] @ [B, K, N] -> [B, M, N], every output one
   fused multiply-add per input from zero, k ascending, as linear_rows sums too: the batch-invariant GEMM of
@@ -94,6 +97,10 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::linear_dots")
     def _(x, w, bias=None):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("kestrel_cpu::attn_res_mix_norm")
+    def _(sources, mix_norm_weight, proj_weight, mix_eps, norm_weight, norm_eps):
+        return sources.new_empty(sources.shape[1:])
 
     @torch.library.register_fake("kestrel_cpu::invariant_mm")
     def _(a, b):

@@ -19,7 +19,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
 constexpr int64_t MAX_ROWS = 4;
-constexpr int64_t TASK_WEIGHTS = 8192;  // the fewest weights (32 KiB) per parallel task: small products run on one thread
+// the fewest weights (32 KiB) per parallel task: small products run on one thread
+constexpr int64_t TASK_WEIGHTS = 8192;
 
 inline float lanes_sum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);

@@ -1,16 +1,32 @@
 """AttnRes depth mix followed by the RMSNorm of the sublayer that reads it (model-spec section 3).
 
 What the decoder runs before every sublayer of a K3-family model: the mix, then the sublayer's input RMSNorm (the
-Triton kernel fuses both); at the output, where the mix itself is the hidden state, the mix alone.
+Triton kernel fuses both); at the output, where the mix itself is the hidden state, the mix alone. Float32 on the
+CPU, eagerly, runs on the C++ kernel kestrel_cpu::attn_res_mix_norm (kestrel.ops.cpu), one call where the torch
+reference (`mix_norm_reference`) dispatches ~14 ops.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import batch_invariant, cpu
+
 
 def attn_res_mix_norm(sources: torch.Tensor, mix_norm_weight: torch.Tensor, proj_weight: torch.Tensor,
                       mix_eps: float, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
+    """mix_norm_reference (same arguments and result), on the CPU kernel for float32 CPU tensors outside traced
+    graphs (inductor fuses the reference's ops) and deterministic inference (whose products are its own)."""
+    if (sources.device.type == "cpu" and sources.dtype == torch.float32 and not torch.compiler.is_dynamo_compiling()
+            and not batch_invariant.active() and cpu.available()):
+        weights = [None if w is None else w.float().contiguous() for w in (mix_norm_weight, proj_weight, norm_weight)]
+        return torch.ops.kestrel_cpu.attn_res_mix_norm(sources.contiguous(), weights[0], weights[1], mix_eps,
+                                                       weights[2], norm_eps)
+    return mix_norm_reference(sources, mix_norm_weight, proj_weight, mix_eps, norm_weight, norm_eps)
+
+
+def mix_norm_reference(sources: torch.Tensor, mix_norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                       mix_eps: float, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
     """Mix the residual snapshots by a softmax over depth, then RMSNorm the mix (when norm_weight is given).
 
     sources: [S, T, D] (the stored blocks, then the running partial sum); mix_norm_weight, proj_weight: [D], the

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.torch.attn_res import attn_res_mix_norm as reference
+from kestrel.ops.torch.attn_res import mix_norm_reference as reference
 from kestrel.ops.triton.attn_res import attn_res_mix_norm
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -61,8 +61,8 @@ expert took 1.5-3x the grouped GEMM at 1-2 rows per expert (1 and 2 threads; at 
 tokens: 353 against 203 us; 64 experts [512, 256] top-4, 5 tokens: 2.4 against 1.0 ms)."""
 
 NATIVE_PAIRS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.uint8: 16}
-"""Up to how many token-expert pairs per expert a traced graph runs the experts on the CPU kernel
-(moe_experts_native), by their weights' dtype (uint8: MXFP4), rather than by pairs or grouped. Measured on an Intel
+"""Up to how many token-expert pairs per expert the experts run on the CPU kernel (moe_experts_native), eagerly and
+in traced graphs, by their weights' dtype (uint8: MXFP4), rather than by pairs or grouped. Measured on an Intel
 Xeon (AVX-512; 2 threads; eager calls, alternating, medians per layer over 11 layers so that the weights stream
 from memory), the 437M K3's 64 experts [512, 256] top-4, ms per layer:
 - against the compiled moe_experts_by_pairs at 1 / 8 / 32 / 64 tokens: float32 0.30 / 2.12 / 4.39 / 7.25 against
@@ -313,9 +313,9 @@ def moe_experts_native(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 
 
 def _native(z: torch.Tensor, pairs: int, experts: ExpertWeights) -> bool:
-    """Whether a traced graph runs the experts by moe_experts_native: contiguous float32, bfloat16 or MXFP4 experts
-    and float32 activations on the CPU, at most NATIVE_PAIRS_PER_EXPERT (of their dtype) pairs per expert, the kernel
-    built here."""
+    """Whether the experts run on moe_experts_native (eagerly too, see moe_experts): contiguous float32, bfloat16 or
+    MXFP4 experts and float32 activations on the CPU, at most NATIVE_PAIRS_PER_EXPERT (of their dtype) pairs per
+    expert, the kernels available here."""
     used = (experts.w13, experts.w2) if experts.w13 is not None else (experts.w1, experts.w3, experts.w2)
     dtypes = (torch.uint8,) if experts.mxfp4 else (torch.float32, torch.bfloat16)
     scales = (experts.w1_scale, experts.w3_scale, experts.w2_scale) if experts.mxfp4 else ()

@@ -95,12 +95,15 @@ def summarise(records: list[RequestRecord], length: float) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def kestrel_server(flags: list[str], port: int, env: dict[str, str] | None = None, model: str = BUNDLED_MODEL.name
-                   ) -> Iterator[tuple[str, float]]:
-    """`kestrel serve` with flags on port (torch on THREADS threads; env added to the environment) for the block,
-    serving `model` (its served name): its URL and the seconds from launch to its first answer. Stopped on the way
-    out."""
-    environment = {**os.environ, "OMP_NUM_THREADS": str(THREADS), **(env or {})}
+def kestrel_server(flags: list[str], port: int, env: dict[str, str] | None = None, model: str = BUNDLED_MODEL.name,
+                   threads: int | None = THREADS) -> Iterator[tuple[str, float]]:
+    """`kestrel serve` with flags on port (torch on `threads` threads, None: kestrel's own choice; env added to the
+    environment) for the block, serving `model` (its served name): its URL and the seconds from launch to its first
+    answer. Stopped on the way out."""
+    environment = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    if threads is not None:
+        environment["OMP_NUM_THREADS"] = str(threads)
+    environment.update(env or {})
     launched = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), *flags],
                               env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -5,10 +5,11 @@ each a kestrel checkpoint (MXFP4 routed experts) and, for llama.cpp, a float32 G
 own converter (bench_llamacpp.dense_copy + convert). llama-server is built from the same llama.cpp sources as
 bench_llamacpp's llama-batched-bench (`ensure_llama_server`: the server target added to that build, its web UI off).
 
-Three servers per model, one at a time, each a separate process on loopback with THREADS threads and its defaults:
+Three servers per model, one at a time, each a separate process on loopback with its defaults on this machine:
 - llama-server (`-t THREADS -tb THREADS`, a context of SLOTS x SLOT_TOKENS tokens over SLOTS parallel slots, so that
   every client has a slot);
-- `kestrel serve` (OMP_NUM_THREADS=THREADS, no other flag: eager steps on kestrel's CPU kernels);
+- `kestrel serve` with no flag and no OMP_NUM_THREADS (eager steps on kestrel's CPU kernels, torch on one core
+  fewer than the machine's, leaving one to its event loop: 1 of 2 here);
 - `kestrel serve --disable-cpu-kernels` (torch's kernels only: what the defaults were before them).
 Each is timed from launch to its first answer (a 1-token completion), then driven by one client
 (bench_compile_defaults.window: streamed /v1/completions, 128-token prompts, 64 greedy tokens, ignore_eos, each of C
@@ -32,14 +33,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -118,8 +117,8 @@ def measure_model(llama: LlamaCpp, server: Path, key: str, work: Path, seconds: 
     with llama_server(server, gguf, PORT) as (url, first):
         runs["llama-server"] = drive(url, first, gguf.stem, seconds)
     for name, flags in KESTREL.items():
-        with kestrel_server(["--model", str(folder), "--served-model-name", key, *flags], PORT,
-                            {"OMP_NUM_THREADS": str(THREADS)}, model=key) as (url, first):
+        with kestrel_server(["--model", str(folder), "--served-model-name", key, *flags], PORT, model=key,
+                            threads=None) as (url, first):
             runs[name] = drive(url, first, key, seconds)
     return {"title": title, "runs": runs, "bytes": {"kestrel": step_bytes(folder), "llama.cpp": step_bytes(dense)}}
 
@@ -151,7 +150,9 @@ def report(results: dict, bandwidth: float, version: str, seconds: float) -> str
                            f"{'met' if ratio <= 3 else 'NOT met'}")
     return "\n\n".join([
         "## `kestrel serve` against llama-server, defaults, over HTTP (serve-vs-llamacpp)",
-        f"Each server a separate process on loopback, {THREADS} threads, its defaults; llama.cpp {version} "
+        f"Each server a separate process on loopback with its defaults on this machine (llama-server -t {THREADS}; "
+        "`kestrel serve` leaves a core to its event loop: torch on one thread of two here); llama.cpp "
+        f"{version} "
         f"(llama-server, {SLOTS} slots of {SLOT_TOKENS} tokens) on a float32 GGUF of the same weights (MXFP4 experts "
         "dequantized; kestrel keeps them MXFP4); `kestrel serve --disable-cpu-kernels` is kestrel's defaults before "
         "its CPU kernels ran eagerly. One client: streamed /v1/completions, 128-token prompts, 64 greedy tokens, "
@@ -184,5 +185,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     main()

@@ -80,8 +80,8 @@ HELP = {
     "speculative_token_map": "NEXTN, DFLASH: a file of token ids the drafts are chosen among (FR-Spec)",
     "disable_cuda_graph": "decode eagerly even where CUDA graphs could replay it",
     "disable_cpu_kernels": "CPU: compute with torch's own kernels only (the reference), not kestrel's C++ kernels "
-                           "(products of up to 4 rows, routed experts, the KDA state step, the indexer's top-k); "
-                           "for debugging: 1.3-2x slower decode",
+                           "(products of up to 4 rows, routed experts, the KDA state step, AttnRes's mix, the "
+                           "indexer's top-k); for debugging: served decode 1.4-2.9x slower",
     "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph (bigger ones run eagerly)",
     "enable_torch_compile": "CPU: compile decode steps and the KDA prefill's chunk terms with torch.compile, each "
                             "shape's graph when first needed (a step waits for it: tens of seconds); the code is "

@@ -32,7 +32,7 @@
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
 too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
 `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
-by processes (~30 s on 2 cores, once; a build removes all but the KEEP most recently used), and tags inductor's
+by processes (~55 s on 2 cores, once; a build removes all but the KEEP most recently used), and tags inductor's
 cache keys with the library's, so that no graph compiled against other kernels calls these. Where no ISA is found
 or the build fails it returns False (logged once), and callers take their torch paths, which compute the same.
 """

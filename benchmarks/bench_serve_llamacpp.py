@@ -8,8 +8,8 @@ bench_llamacpp's llama-batched-bench (`ensure_llama_server`: the server target a
 Three servers per model, one at a time, each a separate process on loopback with its defaults on this machine:
 - llama-server (`-t THREADS -tb THREADS`, a context of SLOTS x SLOT_TOKENS tokens over SLOTS parallel slots, so that
   every client has a slot);
-- `kestrel serve` with no flag and no OMP_NUM_THREADS (eager steps on kestrel's CPU kernels, torch on one core
-  fewer than the machine's, leaving one to its event loop: 1 of 2 here);
+- `kestrel serve` with no flag and no OMP_NUM_THREADS (eager steps on kestrel's CPU kernels, torch on its default
+  thread count: one per core);
 - `kestrel serve --disable-cpu-kernels` (torch's kernels only: what the defaults were before them).
 Each is timed from launch to its first answer (a 1-token completion), then driven by one client
 (bench_compile_defaults.window: streamed /v1/completions, 128-token prompts, 64 greedy tokens, ignore_eos, each of C
@@ -150,9 +150,8 @@ def report(results: dict, bandwidth: float, version: str, seconds: float) -> str
                            f"{'met' if ratio <= 3 else 'NOT met'}")
     return "\n\n".join([
         "## `kestrel serve` against llama-server, defaults, over HTTP (serve-vs-llamacpp)",
-        f"Each server a separate process on loopback with its defaults on this machine (llama-server -t {THREADS}; "
-        "`kestrel serve` leaves a core to its event loop: torch on one thread of two here); llama.cpp "
-        f"{version} "
+        f"Each server a separate process on loopback with its defaults on this machine ({THREADS} threads each); "
+        f"llama.cpp {version} "
         f"(llama-server, {SLOTS} slots of {SLOT_TOKENS} tokens) on a float32 GGUF of the same weights (MXFP4 experts "
         "dequantized; kestrel keeps them MXFP4); `kestrel serve --disable-cpu-kernels` is kestrel's defaults before "
         "its CPU kernels ran eagerly. One client: streamed /v1/completions, 128-token prompts, 64 greedy tokens, "

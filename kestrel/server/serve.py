@@ -8,11 +8,9 @@ The first SIGTERM or SIGINT starts draining: new requests get 503 while running 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
-import torch
 import uvicorn
 
 from ..engine.args import EngineArgs
@@ -62,19 +60,8 @@ def _wait_until_idle(engine: AsyncEngine, timeout: float) -> bool:
     return True
 
 
-def leave_a_core_to_the_front_end(device: str) -> None:
-    """On the CPU, unless OMP_NUM_THREADS says how many, run torch's intra-op work on one thread fewer than it
-    would, so that the event loop (HTTP, streaming, detokenization) has a core of its own. Measured on 2 cores
-    (bench_compile_defaults' client: streamed completions, 15 s per point, one run each): the bundled model's
-    output at 1 and 8 clients 114 and 468 tok/s against 87 and 332 on 2 torch threads; the 437M K3's at 1 client
-    1.07x with OMP_NUM_THREADS=1 against 2."""
-    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
-        torch.set_num_threads(torch.get_num_threads() - 1)
-
-
 def serve(engine_args: EngineArgs, options: ServerOptions, host: str, port: int) -> int:
     """Serve until a signal stops the server (exit code 0) or a rank of a distributed instance fails (1)."""
-    leave_a_core_to_the_front_end(engine_args.device)
     llm_engine = LLMEngine(engine_args)
     engine = AsyncEngine(llm_engine)
     app = create_app(engine, options)

@@ -76,7 +76,7 @@ decode step took 46 ms with it (and the experts and KDA state on their kernels) 
 weights (hold_column_major) keep MKL.
 
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
-call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT).
+call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT) or the rows take linear_dots.
 """
 
 from __future__ import annotations
@@ -118,9 +118,13 @@ PACKED_MIN_WEIGHT = 1 << 19
 ONEDNN_MIN_WEIGHT, left to MKL otherwise, take oneDNN from their packed copy at PACKED_MIN_ROWS rows or more."""
 PACKED_MIN_ROWS = 4
 FUSE_MAX_WEIGHT = ONEDNN_MIN_WEIGHT
-"""The most elements of a LinearGroup's fused weight. Fusing saves GEMM calls, which costs the bundled model's small
-products ~5-10 us each; products by larger weights are bound by reading them (the 437M K3's compiled batch-1 decode
-ran 1-4% slower with its KDA, MLA, MLP and MoE input projections fused, in three pairs of runs)."""
+"""The most elements of a LinearGroup's fused weight that multiplies every row count. Fusing saves GEMM calls, which
+costs the bundled model's small products ~5-10 us each; products by larger weights are bound by reading them (the
+437M K3's compiled batch-1 decode ran 1-4% slower with its KDA, MLA, MLP and MoE input projections fused, in three
+pairs of runs), and their members keep their oneDNN copies for batched rows. A larger fused weight multiplies only
+the rows that take linear_dots (`takes_dots`), which read it in one pass as they would its members: the 437M K3's
+eager decode step ran ~7% faster at 1 and 4 sequences with them fused, ~10% slower at 16 with the fused weight
+multiplying every row count (oneDNN re-laid the unpacked weight on every call)."""
 
 
 def prefers_onednn(cpuinfo: str) -> bool:
@@ -199,8 +203,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if ONEDNN and torch.compiler.is_dynamo_compiling() and x.numel() == x.shape[-1]:
         return compiled_matvec(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    if (rows.shape[0] <= DOTS_ROWS and weight.is_contiguous() and not torch.compiler.is_dynamo_compiling()
-            and cpu_kernels.available()):
+    if _dots(rows, weight):
         return torch.ops.kestrel_cpu.linear_dots(rows.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if (not ONEDNN and ROWS_KERNEL[0] <= rows.shape[0] <= ROWS_KERNEL[1] and weight.numel() >= ROWS_KERNEL_MIN_WEIGHT
             and weight.is_contiguous() and cpu_kernels.available()):
@@ -216,6 +219,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if large and first <= rows.shape[0] <= last and weight.shape[0] % BLOCK == 0:
             return blocked_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def takes_dots(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies x [..., in] by weight on kestrel_cpu.linear_dots (module docstring)."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()
+            and not batch_invariant.active() and _dots(x.reshape(-1, x.shape[-1]), weight))
+
+
+def _dots(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`takes_dots` once linear has checked the device, dtypes, gradients and deterministic inference."""
+    return (rows.shape[0] <= DOTS_ROWS and weight.is_contiguous() and not torch.compiler.is_dynamo_compiling()
+            and cpu_kernels.available())
 
 
 def column_major_pays(weight: torch.Tensor) -> bool:
@@ -275,33 +290,34 @@ class Linear(nn.Linear):
 class LinearGroup(nn.Module):
     """Bias-free Linears of one layer that read the same input: run one by one, or, once `fuse`d for inference, as
     one product by a weight that holds theirs as row blocks (each member's weight then a view of its block), one
-    GEMM call instead of several. It owns no parameters: the members keep theirs, under the checkpoint's names."""
+    GEMM call instead of several; a fused weight of FUSE_MAX_WEIGHT elements or more only for the rows that take
+    linear_dots. It owns no parameters: the members keep theirs, under the checkpoint's names."""
 
     def __init__(self, *members: Linear):
         super().__init__()
         self.members = members                      # a tuple, not submodules: the state dict keeps its names
         self.sizes: list[int] = []
         self.register_buffer("weight", None, persistent=False)
+        self.large = False                          # the fused weight has FUSE_MAX_WEIGHT elements or more
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., in] -> each member's output [..., out_i] (views of one product's columns once fused)."""
-        if self.weight is None:
+        if self.weight is None or (self.large and not takes_dots(x, self.weight)):
             return tuple(member(x) for member in self.members)
         return linear(x, self.weight).split(self.sizes, dim=-1)
 
     def fuse(self, column_major_ok: bool = True) -> bool:
         """Hold the members' weights as blocks of one (column-major where column_major_ok and column_major_pays);
         False, leaving them as they are, unless they are plain Linears without bias of one dtype, device and input
-        width, with fewer than FUSE_MAX_WEIGHT elements in all."""
+        width."""
         weights = [member.weight for member in self.members]
         if (any(type(member) is not Linear or member.bias is not None for member in self.members)
-                or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1
-                or sum(w.numel() for w in weights) >= FUSE_MAX_WEIGHT):
+                or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1):
             return False
         fused = torch.cat([w.detach() for w in weights])
         if column_major_ok and column_major_pays(fused):
             fused = column_major(fused)
-        self.weight, self.sizes = fused, [w.shape[0] for w in weights]
+        self.weight, self.sizes, self.large = fused, [w.shape[0] for w in weights], fused.numel() >= FUSE_MAX_WEIGHT
         for w, block in zip(weights, fused.split(self.sizes)):
             w.data = block
         return True

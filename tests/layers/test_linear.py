@@ -338,10 +338,27 @@ def member_name(block: torch.nn.Module, member: torch.nn.Module) -> str:
     return next(name for name, m in block.named_children() if m is member)
 
 
-@pytest.mark.parametrize("case", ["bias", "row parallel", "dtypes", "widths", "large"])
-def test_a_group_fuses_only_small_bias_free_linears_of_one_dtype_and_width(case, monkeypatch):
+@pytest.mark.parametrize("rows, fused_product", [(1, True), (4, True), (5, False)])
+def test_a_large_fused_group_multiplies_fused_only_the_rows_that_take_linear_dots(rows, fused_product, monkeypatch):
+    """A fused weight of FUSE_MAX_WEIGHT elements or more: one linear_dots call for up to DOTS_ROWS rows (one pass
+    over the weight, as its members' would be), the members (and their oneDNN copies) for more."""
+    monkeypatch.setattr(linear_module, "FUSE_MAX_WEIGHT", 72 * 512)
+    block = Block(512)                                      # row-major (column_major_pays: at most 384 inputs)
+    assert block.trio.fuse() and block.trio.large
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    weights_multiplied = []
+    monkeypatch.setattr(linear_module, "linear", lambda x, w, *rest: weights_multiplied.append(w.shape[0])
+                        or linear(x, w, *rest))
+    with torch.inference_mode():
+        together = block.trio(x)
+    assert weights_multiplied == ([72] if fused_product else [24, 40, 8])
+    for got, member in zip(together, (block.a, block.b, block.c)):
+        torch.testing.assert_close(got, x @ member.weight.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bias", "row parallel", "dtypes", "widths"])
+def test_a_group_fuses_only_bias_free_linears_of_one_dtype_and_width(case, monkeypatch):
     members = [Linear(64, 16, bias=False), Linear(64, 32, bias=False)]
-    monkeypatch.setattr(linear_module, "FUSE_MAX_WEIGHT", 48 * 64 + (case != "large"))
     if case == "bias":
         members[1] = Linear(64, 32)
     elif case == "row parallel":

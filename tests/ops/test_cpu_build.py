@@ -1,6 +1,6 @@
 """kestrel.ops.cpu's build: where the C++ compiler is missing or fails, load() logs why and returns False, so that
 callers take their torch paths (the kernels' results are tested with their ops: test_moe_experts,
-test_kda_state_step, test_linear_rows), and the cache holds no partial library; a build for AVX2 passes the kernel
+test_kda_decode_step, test_linear_rows), and the cache holds no partial library; a build for AVX2 passes the kernel
 tests too; prune, which a build runs, leaves the most recently used libraries only."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_the_avx2_build_computes_the_same() -> None:
         pytest.skip(f"this CPU's kernels are built for {pick_vec_isa() or 'no vector ISA'}, tested by the suite")
     tests = Path(__file__).parent
     result = subprocess.run([sys.executable, "-c", AVX2_RUN, str(tests / "test_moe_experts.py"), "-k",
-                             "expert_matvec or cpu_kernel", str(tests / "test_kda_state_step.py"),
+                             "expert_matvec or cpu_kernel", str(tests / "test_kda_decode_step.py"),
                              str(tests / "test_linear_rows.py"), str(tests / "test_linear_dots.py"),
                              str(tests / "test_attn_res_kernel.py"),
                             f"{tests.parent}/engine/test_decode_graphs.py::test_the_traced_step_equals_the_eager_step",

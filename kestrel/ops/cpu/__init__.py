@@ -5,10 +5,12 @@
   codes uint8 [E, out, in / 2] with scale uint8 [E, out, in / 32]) -> float32 [P, out]. Each expert's rows are read
   once for all of its pairs (MXFP4 ones decoded in registers); kestrel.ops.torch.moe runs the routed experts'
   products on it.
-- `kda_state_step_(q, k, v, g, beta, state, slots, use_state, scale)` (kda_state_step.cpp): one token of KDA's delta
-  rule for N sequences, q, k, g [N, H, K], v [N, H, V], beta [N, H] float32, their states updated in place in the
-  float32 pool state [slots, H, K, V] at slots [N] (read as zeros where use_state [N] is false) -> o [N, H, V]; the
-  state crosses memory once each way. kestrel.ops.torch.kda_decode runs a decode step's recurrence on it.
+- `kda_decode_step_(qkv, gate_raw, beta_raw, out_gate, conv_weight, A_log, dt_bias, norm_weight, lower_bound,
+  norm_eps, conv_pool, state_pool, slots, use_state, scale)` (kda_decode_step.cpp): one decode token of a KDA layer
+  for N sequences, float32, from the q, k, v projections qkv [N, 3*H*D] before the short conv to the gated output
+  norm -> o [N, H, D], the conv and recurrent states updated in place in conv_pool [slots, W-1, 3*H*D] and
+  state_pool [slots, H, D, D] at slots [N] (read as zeros where use_state [N] is false); each state crosses memory
+  once each way. kestrel.ops.torch.kda_decode runs a decode step on it.
 - `indexer_topk(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk)`
   (indexer_topk.cpp): the lightning indexer's topk positions [T, topk] int64 (best first, -1 past the visible keys)
   for T query tokens, q [T, H, D], weights [T, H] fp32, scored against the paged index-key cache (keys [R, D] in
@@ -110,9 +112,10 @@ def _load() -> bool:
     def _(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk):
         return page_table.new_empty(q.shape[0], topk)
 
-    @torch.library.register_fake("kestrel_cpu::kda_state_step_")
-    def _(q, k, v, g, beta, state, slots, use_state, scale):
-        return v.new_empty(v.shape)
+    @torch.library.register_fake("kestrel_cpu::kda_decode_step_")
+    def _(qkv, gate_raw, beta_raw, out_gate, conv_weight, A_log, dt_bias, norm_weight, lower_bound, norm_eps,
+          conv_pool, state_pool, slots, use_state, scale):
+        return gate_raw.new_empty(gate_raw.shape)
 
     return True
 

@@ -5,10 +5,11 @@ an einsum over the taps whatever the tokens per sequence, and `recurrent_kda`'s 
 normalisation and output norm as `kestrel.layers.kda`; under kestrel.ops.batch_invariant's operators a token's
 numbers do not depend on how many tokens its sequence brings (deterministic inference runs every token through
 it). It reads each sequence's conv and recurrent state from its slot of the pool and, for plain decode, writes the
-new states back in place. With `keep_token_states` (speculative verification) it leaves the pool as it was and returns the states
-after every token instead, so the engine can commit the state of the last accepted token. Traced for the CPU's
-compiled decode step, a plain decode's recurrence runs on the C++ kernel kestrel_cpu::kda_state_step_
-(kestrel.ops.cpu), which updates the states where they lie, where it is built.
+new states back in place. With `keep_token_states` (speculative verification) it leaves the pool as it was and returns
+the states after every token instead, so the engine can commit the state of the last accepted token. On the CPU,
+eagerly and traced for the compiled decode step, a plain decode of a float32 layer is one call of the C++ kernel
+kestrel_cpu::kda_decode_step_ (kestrel.ops.cpu): the same math from the conv to the output norm, the states updated
+where they lie.
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     """
     num_tokens = qkv.shape[0]
     num_heads, head_dim = gate_raw.shape[1:]
-    keep = use_state.view(-1, 1, 1)
-    conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
     num_seqs = slots.numel()
     each = num_tokens // max(num_seqs, 1) if cu_seqlens is None else 0        # tokens per sequence, when uniform
-    in_place = each == 1 and not keep_token_states and _state_step_in_place(state_pool)
-    state = None if in_place else torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
+    if each == 1 and not keep_token_states and _on_the_kernel(qkv, conv_pool, state_pool):
+        o = torch.ops.kestrel_cpu.kda_decode_step_(qkv, gate_raw, beta_raw, out_gate, params.conv_weight, params.A_log,
+                                                   params.dt_bias, params.norm_weight, params.lower_bound,
+                                                   params.norm_eps, conv_pool, state_pool, slots, use_state,
+                                                   head_dim ** -0.5 if scale is None else scale)
+        return o, None
+    keep = use_state.view(-1, 1, 1)
+    conv_state = torch.where(keep, conv_pool[slots], 0)                 # a fresh slot may hold anything, NaN too
+    state = torch.where(keep.unsqueeze(-1), state_pool[slots].float(), 0)
     token_conv = None
     if each == 1:
         y, conv_final = causal_conv1d_step(qkv, params.conv_weight, conv_state)
@@ -106,12 +112,7 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
     q, k = l2_normalize(q), l2_normalize(k)
     g = decay_gate(gate_raw, params.A_log, params.dt_bias, params.lower_bound)
     beta = torch.sigmoid(beta_raw.float())
-    final = None
-    if in_place:
-        o = torch.ops.kestrel_cpu.kda_state_step_(*(x.float().contiguous() for x in (q, k, v, g, beta)), state_pool,
-                                                  slots, use_state, head_dim ** -0.5 if scale is None else scale)
-        o = o.to(v.dtype)
-    elif each == 1:
+    if each == 1:
         o, final = recurrent_kda_step(q, k, v, g, beta, state, scale)
         token_recurrent = final
     elif each:
@@ -127,19 +128,18 @@ def kda_decode(qkv: torch.Tensor, gate_raw: torch.Tensor, beta_raw: torch.Tensor
             token_conv = token_conv_states(qkv, conv_state, cu_seqlens)
         return o, TokenStates(conv=token_conv.to(conv_pool.dtype), recurrent=token_recurrent)
     conv_pool[slots] = conv_final.detach().to(conv_pool.dtype)
-    if final is not None:                       # else kda_state_step_ wrote the states where they lie
-        state_pool[slots] = final.detach().to(state_pool.dtype)
+    state_pool[slots] = final.detach().to(state_pool.dtype)
     return o, None
 
 
-def _state_step_in_place(state_pool: torch.Tensor) -> bool:
-    """Whether a decode step runs the recurrence on the CPU kernel kestrel_cpu::kda_state_step_ (kestrel.ops.cpu:
-    each state read and written once, in place), eagerly as compiled: a contiguous float32 pool on the CPU whose
-    value dim is a whole number of 16-float vectors, the kernels built here; not in deterministic inference, whose
-    prefill computes each token as this module's torch recurrence does."""
-    return (not batch_invariant.active() and state_pool.device.type == "cpu"
-            and state_pool.dtype == torch.float32 and state_pool.is_contiguous() and state_pool.shape[-1] % 16 == 0
-            and cpu.available())
+def _on_the_kernel(qkv: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    """Whether a decode step is one call of the CPU kernel kestrel_cpu::kda_decode_step_ (kestrel.ops.cpu), eagerly
+    as compiled: float32 activations and contiguous float32 pools on the CPU, a head dim of whole 16-float vectors,
+    the kernels built here; not in deterministic inference, whose prefill computes each token as this module's torch
+    ops do."""
+    return (not batch_invariant.active() and qkv.device.type == "cpu"
+            and qkv.dtype == conv_pool.dtype == state_pool.dtype == torch.float32 and conv_pool.is_contiguous()
+            and state_pool.is_contiguous() and state_pool.shape[-1] % 16 == 0 and cpu.available())
 
 
 def token_conv_states(x: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

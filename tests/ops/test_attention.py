@@ -131,10 +131,11 @@ def test_sparse_attention_equals_masked_attention_over_the_listed_keys():
 
 
 @pytest.mark.parametrize("sparse_rows", [paged_attention.SPARSE_ROWS, 16])
-def test_sparse_paged_decode_reads_only_the_selected_rows(monkeypatch, sparse_rows):
-    """paged_mla_decode over selected positions equals the dense form masked to them, with every row it was not
-    given set to NaN (so a read of any other row would show), at a context of 40 pages and top-16; the same when
-    the tokens go by slices (SPARSE_ROWS rows at a time: one token each)."""
+def test_sparse_paged_decode_reads_only_the_selected_rows(monkeypatch, sparse_rows, torch_paths):
+    """paged_mla_decode's torch ops over selected positions equal the dense form masked to them, with every row they
+    were not given set to NaN (so a read of any other row would show), at a context of 40 pages and top-16; the
+    same when the tokens go by slices (SPARSE_ROWS rows at a time: one token each). (The CPU kernel's own test:
+    test_paged_mla_kernel.)"""
     monkeypatch.setattr(paged_attention, "SPARSE_ROWS", sparse_rows)
     gen = torch.Generator().manual_seed(7)
     page_size, pages, width, value_dim, topk = 16, 40, 24, 16, 16

@@ -17,6 +17,11 @@
   the model dtype, or FP8 E4M3 with key_scales [R]) over positions 0..positions[t] of sequence seq_index[t], without
   a [T, context] score matrix; its scores are the batch-invariant products' (kestrel.ops.batch_invariant).
   kestrel.ops.torch.paged_indexer runs the indexer's selection on it.
+- `paged_mla(q, values, scales, page_table, page_size, seq_index, positions, scale, value_dim, selected)`
+  (paged_mla.cpp): absorbed-form MLA attention for T float32 query tokens q [T, H, Dk] straight from the paged latent
+  cache (values [R, Dk] float32, bfloat16, or FP8 E4M3 with scales [R]), over each token's positions
+  0..positions[t] or its `selected` [T, K] ones, each row read in place once per token for all heads, with an online
+  softmax -> [T, H, value_dim]; kestrel.ops.torch.paged_attention runs MLA decode and paged prefill on it.
 - `linear_rows(x, w, bias=None)` (linear_rows.cpp): x float32 [M, in] @ w [out, in]^T + bias [out] -> [M, out],
   each weight read from memory once for up to 64 rows of x (32 with AVX2) and broadcast against a vector of them;
   kestrel.layers.linear multiplies a batched decode step's rows by the large weights on it.
@@ -111,6 +116,10 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::indexer_topk")
     def _(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk):
         return page_table.new_empty(q.shape[0], topk)
+
+    @torch.library.register_fake("kestrel_cpu::paged_mla")
+    def _(q, values, scales, page_table, page_size, seq_index, positions, scale, value_dim, selected):
+        return q.new_empty(q.shape[0], q.shape[1], value_dim)
 
     @torch.library.register_fake("kestrel_cpu::kda_decode_step_")
     def _(qkv, gate_raw, beta_raw, out_gate, conv_weight, A_log, dt_bias, norm_weight, lower_bound, norm_eps,

@@ -11,13 +11,21 @@ The query tokens come in groups of `tokens_per_seq` consecutive tokens of one se
 a decode step; more: a speculative verification of equal drafts, `ForwardBatch.uniform`): each group reads its
 sequence's rows once, not once per token. With `selected` (sparse MLA) each token reads only its
 selected rows, so a step's work does not grow with the context.
+
+Float32 queries on the CPU (eagerly and traced) run on kestrel's C++ kernel kestrel_cpu::paged_mla
+(kestrel.ops.cpu): each token reads its visible rows where they lie, once for all heads, with an online softmax, where
+the torch ops gather them ([T, S, Dk], for a sparse prefill chunk 2,048 rows per token) and score them in a [T, H, S]
+matrix. Deterministic inference keeps the torch ops, whose order its batch-invariant products fix.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import batch_invariant, cpu
 from .attention import masked_attention
+
+KERNEL_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def paged_rows(page_table: torch.Tensor, page_size: int, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -57,6 +65,10 @@ def paged_mla_decode(q: torch.Tensor, cache_values: torch.Tensor, cache_scales: 
     tokens_per_seq: the query tokens' grouping (see the module docstring).
     Returns [T, H, value_dim] in q's dtype; a query with no visible row gets zeros.
     """
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and cache_values.dtype in KERNEL_VALUE_DTYPES
+            and not batch_invariant.active() and cpu.available()):
+        return torch.ops.kestrel_cpu.paged_mla(q.contiguous(), cache_values, cache_scales, page_table, page_size,
+                                               seq_index, positions, scale, value_dim, selected)
     if selected is not None:
         return _sparse_decode(q, cache_values, cache_scales, page_table, page_size, seq_index, positions, scale,
                               value_dim, selected)

@@ -31,6 +31,10 @@
 - `attn_res_mix_norm(sources, mix_norm_weight, proj_weight, mix_eps, norm_weight, norm_eps)`
   (attn_res_mix_norm.cpp): AttnRes's softmax mix of float32 sources [S, T, D] over depth and the RMSNorm after it
   -> [T, D], one pass per source and token; kestrel.ops.torch.attn_res runs the eager mix on it.
+- `rms_norm(x, weight, eps)` (rms_norm.cpp): float32 rows x [M, D] (strided rows allowed) * rsqrt(mean x^2 + eps)
+  * weight [D] -> [M, D]; kestrel.layers.norm runs the eager RMSNorm on it.
+- `glu(gate, up, situ, beta, linear_beta)` (glu.cpp): the gated MLP activation of float32 rows [M, I], SiLU(gate) *
+  up or SiTU-GLU -> [M, I]; kestrel.ops.torch.moe.GLUActivation runs it eagerly on it.
 - `invariant_mm(a, b)` (invariant_mm.cpp): a float32 [M, K] @ b [K, N] (rows contiguous) -> [M, N], or batched
   [B, M, K] @ [B, K, N] -> [B, M, N], every output one
   fused multiply-add per input from zero, k ascending, as linear_rows sums too: the batch-invariant GEMM of
@@ -116,6 +120,14 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::indexer_topk")
     def _(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk):
         return page_table.new_empty(q.shape[0], topk)
+
+    @torch.library.register_fake("kestrel_cpu::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("kestrel_cpu::glu")
+    def _(gate, up, situ, beta, linear_beta):
+        return gate.new_empty(gate.shape)
 
     @torch.library.register_fake("kestrel_cpu::paged_mla")
     def _(q, values, scales, page_table, page_size, seq_index, positions, scale, value_dim, selected):

@@ -67,13 +67,14 @@ every row count ([128, 1024] 1.5-2.0x MKL's time), and at 4 to 15 rows blocked_l
 times the same weights from cache). In one process switching between the two, the 437M K3's compiled 32-sequence
 decode ran 196 against 188 tok/s (medians of 6 rounds; per-round ratios 0.94-1.16).
 
-Eagerly (kestrel's default decode), products of up to DOTS_ROWS rows by a row-major weight run on kestrel.ops.cpu's
-`linear_dots`, on every CPU: each weight row is read once into whole vectors and dotted with each row of x. On the
+Eagerly (kestrel's default decode), products of up to DOTS_ROWS rows run on kestrel.ops.cpu's `linear_dots`, on
+every CPU: each row of a row-major weight is read once into whole vectors and dotted with each row of x (a
+column-major one, held so for MKL's batched products, is read by rows of its storage, each input adding its row to
+vectors of outputs). On the
 AMD EPYC (weights cycled so that they come from memory) it streamed the 437M K3's [1024, 1024] at 29 GB/s on 2
 threads against MKL's 15 and oneDNN's 20, its [32000, 1024] LM head at 28 against 15 and 31, and 4 rows of them 1.3-
 2.4x faster than either; at one thread 17-22 GB/s against MKL's 13-16 and oneDNN's 13-22. The 437M K3's eager batch-1
-decode step took 46 ms with it (and the experts and KDA state on their kernels) against 91 before. Column-major
-weights (hold_column_major) keep MKL.
+decode step took 46 ms with it (and the experts and KDA state on their kernels) against 91 before.
 
 A layer's projections of one input form a `LinearGroup`, which `fuse_linear_groups` turns into one product (one GEMM
 call instead of several) where the fused weight is small (FUSE_MAX_WEIGHT) or the rows take linear_dots.
@@ -109,7 +110,7 @@ MKL runs (module docstring)."""
 ROWS_KERNEL_MIN_WEIGHT = 1 << 19
 """The fewest elements (2 MB in float32) of a weight that ROWS_KERNEL rows multiply on the kernel."""
 DOTS_ROWS = 4
-"""Up to this many rows, eager products by a row-major weight are kestrel_cpu.linear_dots' (module docstring)."""
+"""Up to this many rows, eager products are kestrel_cpu.linear_dots' (module docstring)."""
 PACK_ROWS = 32
 """The row count oneDNN lays packed weights out for (module docstring: any count from 4 to 128 serves 1 to 128 rows
 alike; one packed for 1 row is no faster than the plain weight at more)."""
@@ -229,8 +230,8 @@ def takes_dots(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _dots(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """`takes_dots` once linear has checked the device, dtypes, gradients and deterministic inference."""
-    return (rows.shape[0] <= DOTS_ROWS and weight.is_contiguous() and not torch.compiler.is_dynamo_compiling()
-            and cpu_kernels.available())
+    return (rows.shape[0] <= DOTS_ROWS and (weight.is_contiguous() or weight.t().is_contiguous())
+            and not torch.compiler.is_dynamo_compiling() and cpu_kernels.available())
 
 
 def column_major_pays(weight: torch.Tensor) -> bool:

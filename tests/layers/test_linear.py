@@ -42,13 +42,14 @@ def test_large_float32_weights_take_onednn_and_equal_f_linear(rows, monkeypatch,
 
 @pytest.mark.parametrize("rows, layout, dots", [
     ((1,), "row-major", True), ((4,), "row-major", True), ((2, 2), "row-major", True), ((0,), "row-major", True),
-    ((5,), "row-major", False), ((1,), "column-major", False),
+    ((5,), "row-major", False), ((1,), "column-major", True), ((3,), "column-major", True),
+    ((5,), "column-major", False), ((1,), "strided", False),
 ])
 @pytest.mark.parametrize("onednn", [False, True])
 def test_up_to_four_rows_take_linear_dots_eagerly(rows, layout, dots, onednn, monkeypatch):
-    """Up to DOTS_ROWS rows by a row-major float32 weight take kestrel_cpu.linear_dots eagerly on every CPU, within
-    float32's bound of the float64 product (gamma_{in+1} of the absolute products, any summation order); more rows
-    and column-major weights do not, nor a traced graph, nor anything with the CPU kernels off."""
+    """Up to DOTS_ROWS rows by a row- or column-major float32 weight take kestrel_cpu.linear_dots eagerly on every
+    CPU, within float32's bound of the float64 product (gamma_{in+1} of the absolute products, any summation order);
+    more rows and other strides do not, nor a traced graph, nor anything with the CPU kernels off."""
     from kestrel.ops import cpu
 
     assert cpu.load()
@@ -56,6 +57,8 @@ def test_up_to_four_rows_take_linear_dots_eagerly(rows, layout, dots, onednn, mo
     weight, bias = weights(1024, 1024), torch.randn(1024, generator=torch.Generator().manual_seed(12))
     if layout == "column-major":
         weight = linear_module.column_major(weight)
+    elif layout == "strided":
+        weight = torch.cat([weight, weight], dim=1)[:, ::2]
     x = torch.randn(*rows, 1024, generator=torch.Generator().manual_seed(13))
     calls, op = [], torch.ops.kestrel_cpu.linear_dots
     monkeypatch.setattr(torch.ops.kestrel_cpu, "linear_dots", lambda *args: calls.append(1) or op(*args))
@@ -259,10 +262,11 @@ def test_a_packed_weight_multiplies_as_the_plain_one(rows, monkeypatch, torch_pa
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
-def test_a_mid_size_weight_takes_its_packed_copy_from_four_rows(rows, monkeypatch):
+def test_a_mid_size_weight_takes_its_packed_copy_from_four_rows(rows, monkeypatch, torch_paths):
     """A weight of PACKED_MIN_WEIGHT up to ONEDNN_MIN_WEIGHT elements (the bundled model's LM head [4096, 192], held
     column-major as the engine holds it) is packed too, and multiplies PACKED_MIN_ROWS rows or more by oneDNN from
-    the packed copy, fewer by F.linear; equal to F.linear within float32 rounding."""
+    the packed copy, fewer by F.linear (the CPU kernels off: few rows take linear_dots); equal to F.linear within
+    float32 rounding."""
     monkeypatch.setattr(linear_module, "ONEDNN", True)
     module = Linear(192, 4096, bias=False)
     assert PACKED_MIN_WEIGHT <= module.weight.numel() < ONEDNN_MIN_WEIGHT

@@ -1,7 +1,7 @@
 """kestrel_cpu::linear_dots (kestrel.ops.cpu) against float64 products within float32's bound for a dot product in
 any summation order, for 0 to 4 rows, inputs either side of a vector, outputs either side of a tile and of a
-parallel task; each row's outputs the same alone as beside other rows, at one thread and at two; registered soundly
-(opcheck); operands it does not take are refused."""
+parallel task, by row-major and column-major weights; each row's outputs the same alone as beside other rows, at one
+thread and at two; registered soundly (opcheck); operands it does not take are refused."""
 
 from __future__ import annotations
 
@@ -32,12 +32,18 @@ CASES = [  # rows, out, in
 ]
 
 
+def laid_out(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """w [out, in] with the same values, stored row-major or column-major (as hold_column_major lays it)."""
+    return w if layout == "row-major" else w.t().contiguous().t()
+
+
 @pytest.mark.parametrize("rows, out_dim, in_dim", CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_dots_equals_float64_products_within_float32s_bound(rows, out_dim, in_dim, bias) -> None:
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_linear_dots_equals_float64_products_within_float32s_bound(rows, out_dim, in_dim, bias, layout) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_dim + in_dim)
     x = torch.randn(rows, in_dim, generator=generator)
-    w = torch.randn(out_dim, in_dim, generator=generator)
+    w = laid_out(torch.randn(out_dim, in_dim, generator=generator), layout)
     b = torch.randn(out_dim, generator=generator) if bias else None
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
     actual = torch.ops.kestrel_cpu.linear_dots(x, w, b)
@@ -46,9 +52,10 @@ def test_linear_dots_equals_float64_products_within_float32s_bound(rows, out_dim
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_the_threads(threads: int) -> None:
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_or_the_threads(threads: int, layout: str) -> None:
     generator = torch.Generator().manual_seed(7)
-    x, w = torch.randn(4, 1027, generator=generator), torch.randn(300, 1027, generator=generator)
+    x, w = torch.randn(4, 1027, generator=generator), laid_out(torch.randn(300, 1027, generator=generator), layout)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -68,6 +75,7 @@ def test_a_strided_batch_and_soundness() -> None:
     assert ((torch.ops.kestrel_cpu.linear_dots(x, w, b).double() - exact).abs() <= bound(x, w, b)).all()
     torch.library.opcheck(torch.ops.kestrel_cpu.linear_dots.default, (x, w, b))
     torch.library.opcheck(torch.ops.kestrel_cpu.linear_dots.default, (x.contiguous(), w, None))
+    torch.library.opcheck(torch.ops.kestrel_cpu.linear_dots.default, (x, laid_out(w, "column-major"), b))
 
 
 def test_operands_it_does_not_take_are_refused() -> None:
@@ -75,8 +83,8 @@ def test_operands_it_does_not_take_are_refused() -> None:
     for bad_x in (torch.zeros(5, 8), torch.zeros(8, 4).T, x.double()):
         with pytest.raises(RuntimeError, match="x must be float32 .M, in. with M <= 4"):
             torch.ops.kestrel_cpu.linear_dots(bad_x, w)
-    for bad_w in (w.T.contiguous().T, w[:, :7], w.double()):
-        with pytest.raises(RuntimeError, match="w must be a contiguous float32"):
+    for bad_w in (torch.zeros(6, 16)[:, ::2], w[:, :7], w.double()):
+        with pytest.raises(RuntimeError, match="w must be a row- or column-major float32"):
             torch.ops.kestrel_cpu.linear_dots(x, bad_w)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.kestrel_cpu.linear_dots(x, w, torch.zeros(5))

@@ -4,8 +4,10 @@
 // A tile of R weight rows is loaded a vector of inputs at a time and multiplied into R x M vector accumulators
 // against the same inputs of each row of x; each accumulator is then summed across its lanes, and the inputs past
 // the last whole vector are added one by one. Every weight is read once, as part of a whole vector, and the weight
-// stays row-major, as the checkpoint has it. An output's summation order depends on `in` only: not on M, on the
-// other rows or on the threads. Tasks of whole tiles of weight rows run in parallel.
+// stays row-major, as the checkpoint has it. A column-major weight (stored [in, out], as kestrel.layers.linear holds
+// small ones for MKL) is read by rows of that storage instead: each input k adds x[m, k] times its row to vectors of
+// outputs, k ascending from zero. Either way an output's summation order depends on `in` only: not on M, on the
+// other rows or on the threads. Tasks of whole tiles of weight rows (or output columns) run in parallel.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -63,11 +65,47 @@ void dots(const float* w, const float* x, int64_t xs, int64_t in, const float* b
   for (; n < end; ++n) tile<M, 1>(w, x, xs, in, bias, out, out_dim, n);
 }
 
+// Column-major weight (wt [in, out] stored): outputs [n, n + J vectors) (the last of them `last` wide) of the M rows
+// of x, each the sum over k ascending of x[m, k] wt[k, .], then the bias.
+template <int M, int J>
+void columns_tile(const float* wt, const float* x, int64_t xs, int64_t in, const float* bias, float* out,
+                  int64_t out_dim, int64_t n, int64_t last) {
+  Vec acc[M][J];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < J; ++j) acc[m][j] = Vec(0.f);
+  for (int64_t k = 0; k < in; ++k) {
+    const float* row = wt + k * out_dim + n;
+    for (int j = 0; j < J; ++j) {
+      const Vec weight = j + 1 < J || last == V ? Vec::loadu(row + j * V) : Vec::loadu(row + j * V, last);
+      for (int m = 0; m < M; ++m) acc[m][j] = at::vec::fmadd(weight, Vec(x[m * xs + k]), acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < J; ++j) {
+      const int64_t count = j + 1 < J ? V : last;
+      Vec result = acc[m][j];
+      if (bias) result = result + Vec::loadu(bias + n + j * V, count);
+      result.store(out + m * out_dim + n + j * V, count);
+    }
+}
+
+// Outputs [begin, end) of the M rows of x by a column-major weight.
+template <int M>
+void columns(const float* wt, const float* x, int64_t xs, int64_t in, const float* bias, float* out, int64_t out_dim,
+             int64_t begin, int64_t end) {
+  constexpr int J = M == 1 ? 8 : M == 2 ? 4 : 2;         // M x J accumulators, M inputs and a weight in registers
+  int64_t n = begin;
+  for (; n + J * V <= end; n += J * V) columns_tile<M, J>(wt, x, xs, in, bias, out, out_dim, n, V);
+  for (; n < end; n += V) columns_tile<M, 1>(wt, x, xs, in, bias, out, out_dim, n, std::min(V, end - n));
+}
+
 at::Tensor linear_dots(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) <= MAX_ROWS && x.stride(1) == 1,
               "linear_dots: x must be float32 [M, in] with M <= 4 and contiguous rows");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
-              "linear_dots: w must be a contiguous float32 [out, in] with x's inputs");
+  const bool column_major = w.dim() == 2 && !w.is_contiguous() && w.t().is_contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && (w.is_contiguous() || column_major) &&
+                  w.size(1) == x.size(1),
+              "linear_dots: w must be a row- or column-major float32 [out, in] with x's inputs");
   const int64_t rows = x.size(0), in = x.size(1), out_dim = w.size(0);
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                         bias->sizes() == at::IntArrayRef({out_dim})),
@@ -78,6 +116,20 @@ at::Tensor linear_dots(const at::Tensor& x, const at::Tensor& w, const std::opti
   const float* xs = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t stride = x.stride(0), grain = std::max<int64_t>(8, TASK_WEIGHTS / std::max<int64_t>(in, 1));
+  if (column_major) {                                     // tasks of whole vectors of outputs
+    const int64_t vectors = (out_dim + V - 1) / V;
+    at::parallel_for(0, vectors, std::max<int64_t>(1, grain / V), [&](int64_t first, int64_t last) {
+      const int64_t begin = first * V, end = std::min(last * V, out_dim);
+      switch (rows) {
+        case 0: break;
+        case 1: columns<1>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
+        case 2: columns<2>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
+        case 3: columns<3>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
+        default: columns<4>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, out_dim, grain, [&](int64_t begin, int64_t end) {
     switch (rows) {
       case 0: break;

@@ -230,7 +230,7 @@ def takes_dots(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _dots(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """`takes_dots` once linear has checked the device, dtypes, gradients and deterministic inference."""
-    return (rows.shape[0] <= DOTS_ROWS and (weight.is_contiguous() or weight.t().is_contiguous())
+    return (rows.shape[0] <= DOTS_ROWS and (weight.is_contiguous() or weight.stride() == (1, weight.shape[0]))
             and not torch.compiler.is_dynamo_compiling() and cpu_kernels.available())
 
 

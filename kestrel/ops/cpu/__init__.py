@@ -73,6 +73,8 @@ KEEP = 8
 def load() -> bool:
     """Whether the kernels are loaded into torch.ops.kestrel_cpu (with their fakes for tracing), building them on
     the first call (one thread builds; the others wait for it: a background compile may ask at the same time)."""
+    if _loaded:                 # asked on every eager op: no lock once loaded
+        return True
     with _loading:
         return _load()
 
@@ -138,7 +140,12 @@ def _load() -> bool:
           conv_pool, state_pool, slots, use_state, scale):
         return gate_raw.new_empty(gate_raw.shape)
 
+    global _loaded
+    _loaded = True
     return True
+
+
+_loaded = False
 
 
 _enabled = True

@@ -15,13 +15,15 @@ from .. import batch_invariant, cpu
 
 def attn_res_mix_norm(sources: torch.Tensor, mix_norm_weight: torch.Tensor, proj_weight: torch.Tensor,
                       mix_eps: float, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
-    """mix_norm_reference (same arguments and result), on the CPU kernel for float32 CPU tensors outside traced
-    graphs (inductor fuses the reference's ops) and deterministic inference (whose products are its own)."""
+    """mix_norm_reference (same arguments and result), on the CPU kernel for float32 CPU tensors (contiguous
+    weights) outside traced graphs (inductor fuses the reference's ops) and deterministic inference (whose products
+    are its own)."""
+    weights = (mix_norm_weight, proj_weight, norm_weight)
     if (sources.device.type == "cpu" and sources.dtype == torch.float32 and not torch.compiler.is_dynamo_compiling()
-            and not batch_invariant.active() and cpu.available()):
-        weights = [None if w is None else w.float().contiguous() for w in (mix_norm_weight, proj_weight, norm_weight)]
-        return torch.ops.kestrel_cpu.attn_res_mix_norm(sources.contiguous(), weights[0], weights[1], mix_eps,
-                                                       weights[2], norm_eps)
+            and not batch_invariant.active() and cpu.available()
+            and all(w is None or (w.dtype == torch.float32 and w.is_contiguous()) for w in weights)):
+        return torch.ops.kestrel_cpu.attn_res_mix_norm(sources.contiguous(), *weights[:2], mix_eps, weights[2],
+                                                       norm_eps)
     return mix_norm_reference(sources, mix_norm_weight, proj_weight, mix_eps, norm_weight, norm_eps)
 
 

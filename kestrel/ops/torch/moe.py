@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ...quant import dequantize_mxfp4, fake_quantize_mxfp8
-from .. import batch_invariant, cpu
+from .. import cpu
 
 SILU, SITU = "silu", "situ"
 _PAIR_INT = {2: torch.int32, 4: torch.int64}
@@ -167,9 +167,10 @@ class GLUActivation:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: [..., I] -> [..., I] in gate's dtype (SiTU computed in fp32). Float32 on the CPU, eagerly and
         without gradients, one call of the C++ kernel kestrel_cpu::glu (kestrel.ops.cpu) where these torch ops are
-        up to ~11; traced graphs (inductor fuses them) and deterministic inference keep the torch ops."""
+        up to ~11 (elementwise, so batch-invariant as deterministic inference needs); traced graphs keep the torch
+        ops, which inductor fuses."""
         if (gate.device.type == "cpu" and gate.dtype == up.dtype == torch.float32 and not torch.is_grad_enabled()
-                and not torch.compiler.is_dynamo_compiling() and not batch_invariant.active() and cpu.available()):
+                and not torch.compiler.is_dynamo_compiling() and cpu.available()):
             rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
             return torch.ops.kestrel_cpu.glu(*rows, self.kind == SITU, self.beta, self.linear_beta).view(gate.shape)
         if self.kind == SILU:

@@ -7,6 +7,7 @@ The first SIGTERM or SIGINT starts draining: new requests get 503 while running 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -62,8 +63,8 @@ def _wait_until_idle(engine: AsyncEngine, timeout: float) -> bool:
 
 def serve(engine_args: EngineArgs, options: ServerOptions, host: str, port: int) -> int:
     """Serve until a signal stops the server (exit code 0) or a rank of a distributed instance fails (1)."""
-    llm_engine = LLMEngine(engine_args)
-    engine = AsyncEngine(llm_engine)
+    engine = AsyncEngine(functools.partial(LLMEngine, engine_args))     # built and stepped on one thread
+    llm_engine = engine.engine
     app = create_app(engine, options)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.kestrel)
@@ -72,8 +73,7 @@ def serve(engine_args: EngineArgs, options: ServerOptions, host: str, port: int)
     try:
         server.run()
     finally:
-        engine.shutdown()
-        llm_engine.shutdown()
+        engine.shutdown()           # the LLMEngine's too, on its thread
     return 1 if llm_engine.rank_failure() else 0
 
 

@@ -1,8 +1,12 @@
-"""AsyncEngine: streams on the event loop equal the engine's own outputs, and a step wakes the loop once."""
+"""AsyncEngine: streams on the event loop equal the engine's own outputs, and a step wakes the loop once; an engine
+built from a function is built, stepped and shut down on the engine thread."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+
+import pytest
 
 from kestrel.engine.args import EngineArgs
 from kestrel.engine.async_engine import AsyncEngine
@@ -66,3 +70,34 @@ def test_concurrent_streams_equal_the_engines_outputs_with_one_wake_up_per_step(
             assert all(abs(entry[t].logprob - wanted[t].logprob) < 1e-4 for t in entry)
         assert got[-1].finished and all(not o.finished for o in got[:-1])
     assert wake_ups <= steps      # every step's outputs, for all four requests, in one wake-up
+
+
+def test_an_engine_built_from_a_function_lives_on_the_engine_thread(model_dir):
+    """Given a function, the engine thread builds the engine (so that one thread runs every torch op: the module
+    docstring), serves from it, and shuts it down; an error building it is raised to the caller."""
+    threads, shut = [], []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        engine = _engine(model_dir)
+        shutdown = engine.shutdown
+        engine.shutdown = lambda: shut.append(threading.current_thread()) or shutdown()
+        return engine
+
+    engine = AsyncEngine(build)
+    assert threads == [engine._thread] and threads[0] is not threading.current_thread()
+
+    async def run() -> str:
+        async for output in engine.generate("a", "to be or not", SamplingParams(max_tokens=3, ignore_eos=True)):
+            last = output
+        return last.outputs[0].text
+
+    assert asyncio.run(run())
+    engine.shutdown()
+    assert shut == threads
+
+    def broken() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)

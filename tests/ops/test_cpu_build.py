@@ -49,6 +49,7 @@ def test_the_avx2_build_computes_the_same() -> None:
                              "expert_matvec or cpu_kernel", str(tests / "test_kda_decode_step.py"),
                              str(tests / "test_linear_rows.py"), str(tests / "test_linear_dots.py"),
                              str(tests / "test_attn_res_kernel.py"), str(tests / "test_paged_mla_kernel.py"),
+                             str(tests / "test_norm_and_glu_kernels.py"),
                             f"{tests.parent}/engine/test_decode_graphs.py::test_the_traced_step_equals_the_eager_step",
                             f"{tests.parent}/engine/test_decode_graphs.py::"
                             "test_the_default_eager_step_runs_on_the_cpu_kernels_within_float32s_bound"],

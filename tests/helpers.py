@@ -1,6 +1,6 @@
 """Test helpers: tiny random models of each family member (and model folders with a byte-level BPE tokenizer), the
-plain greedy computation the engine must reproduce, and random published-layout DFlash drafts for the bundled
-model."""
+plain greedy computation the engine must reproduce, random published-layout DFlash drafts for the bundled model,
+float32's rounding bounds, and the ops a computation dispatches or a traced graph calls."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import decoders, models, pre_tokenizers, trainers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kestrel.config import parse_config
 from kestrel.engine.args import BUNDLED_MODEL
@@ -267,3 +268,36 @@ def computed_once(tmp_path_factory, name: str, compute: Callable[[], dict]) -> d
         if not shared.is_file():
             torch.save(compute(), shared)
         return torch.load(shared)
+
+
+U = 2.0 ** -24
+"""float32's unit roundoff."""
+
+
+def gamma(n: int) -> float:
+    """Higham's gamma_n in float32: the relative error bound of n roundings, n u / (1 - n u)."""
+    return n * U / (1 - n * U)
+
+
+class OpCalls(TorchDispatchMode):
+    """The ops dispatched under it, in order, by name ("aten.mul", "kestrel_cpu.glu")."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def traced_targets(fn: Callable, *args, **kwargs) -> tuple[object, list[str]]:
+    """fn(*args, **kwargs) traced by torch.compile into one graph (run as traced), and the ops that graph calls."""
+    targets = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=capture, fullgraph=True)(*args, **kwargs), targets

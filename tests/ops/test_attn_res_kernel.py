@@ -11,17 +11,11 @@ import torch
 import kestrel.ops.cpu as cpu
 from kestrel.ops import batch_invariant
 from kestrel.ops.torch.attn_res import attn_res_mix_norm, mix_norm_reference
-
-U = 2.0 ** -24
-
+from helpers import gamma
 
 @pytest.fixture(autouse=True)
 def kernels() -> None:
     assert cpu.load()
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
 
 
 def operands(num_sources: int, tokens: int, dim: int, norm: bool, seed: int):

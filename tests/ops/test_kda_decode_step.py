@@ -18,8 +18,8 @@ import kestrel.ops.cpu as cpu
 from kestrel.ops import batch_invariant
 from kestrel.ops.torch import kda_decode as reference
 from kestrel.ops.torch.kda_decode import KDALayerParams
+from helpers import U, OpCalls, gamma, traced_targets
 
-U = 2.0 ** -24
 SLOTS, USE_STATE = [5, 2, 7, 0, 3], [True, False, True, True, False]
 POOL = 8
 
@@ -27,10 +27,6 @@ POOL = 8
 @pytest.fixture(autouse=True)
 def kernels() -> None:
     assert cpu.load()
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
 
 
 def decode_args(heads: int, dim: int, width: int, lower_bound: float | None, seed: int,
@@ -50,8 +46,8 @@ def decode_args(heads: int, dim: int, width: int, lower_bound: float | None, see
     conv_pool[fresh], state_pool[fresh] = float("nan"), float("nan")
     wide = randn(n, heads * dim + heads + 3)
     out_gate = wide[:, 1 + heads:].narrow(1, 0, heads * dim).view(n, heads, dim)
-    return (randn(n, channels), randn(n, heads, dim), wide[:, 1:1 + heads], out_gate, params, conv_pool, state_pool.to(pool_dtype), torch.tensor(SLOTS), None,
-            torch.tensor(USE_STATE))
+    return (randn(n, channels), randn(n, heads, dim), wide[:, 1:1 + heads], out_gate, params, conv_pool,
+            state_pool.to(pool_dtype), torch.tensor(SLOTS), None, torch.tensor(USE_STATE))
 
 
 def float64(args: tuple) -> tuple:
@@ -176,30 +172,6 @@ def test_the_op_is_registered_soundly_and_refuses_what_it_cannot_read() -> None:
         call(conv=conv_pool[:, :2].contiguous())
 
 
-def trace_decode(*args, **kwargs) -> tuple[tuple, list[str]]:
-    """kda_decode(*args, **kwargs) traced by torch.compile (the graph run as traced), and the ops its graph calls."""
-    targets = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs):
-        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    return torch.compile(reference.kda_decode, backend=capture, fullgraph=True)(*args, **kwargs), targets
-
-
-class KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the kernel's calls under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func.overloadpacket is torch.ops.kestrel_cpu.kda_decode_step_
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("pool_dtype, mode, kernel", [(torch.float32, "eager", True), (torch.float32, "traced", True),
                                                       (torch.float32, "deterministic", False),
                                                       (torch.bfloat16, "eager", False),
@@ -225,12 +197,12 @@ def test_a_plain_decode_step_takes_the_kernel_on_float32_pools(pool_dtype, mode,
             finally:
                 cpu.set_enabled(True)
         if mode == "traced":
-            (actual, _), targets = trace_decode(*args[:5], *pools, *args[7:])
+            (actual, _), targets = traced_targets(reference.kda_decode, *args[:5], *pools, *args[7:])
             assert any("kestrel_cpu.kda_decode_step_" in target for target in targets) == kernel
         else:
-            with KernelCalls() as calls:
+            with OpCalls() as calls:
                 actual, _ = reference.kda_decode(*args[:5], *pools, *args[7:])
-            assert calls.calls == kernel
+            assert calls.names.count("kestrel_cpu.kda_decode_step_") == kernel
     assert torch.equal(actual, expected)
     for got, want in zip(pools, expected_pools):
         assert torch.equal(got, want)
@@ -243,6 +215,6 @@ def test_a_traced_verification_keeps_the_torch_recurrence() -> None:
     args = (*args[:5], args[5].nan_to_num(), args[6].nan_to_num(), *args[7:])
     with torch.inference_mode():
         expected = reference.kda_decode(*args, keep_token_states=True)
-        actual, targets = trace_decode(*args, keep_token_states=True)
+        actual, targets = traced_targets(reference.kda_decode, *args, keep_token_states=True)
     assert targets and not any("kda_decode_step_" in target for target in targets)
     torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)

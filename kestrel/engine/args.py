@@ -19,14 +19,13 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
 """The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 MODEL_DRAFTERS = ("NEXTN", "DFLASH")
-"""The speculative algorithms whose drafters read the target's final hidden states."""
 GPU_STEP_TOKENS = 8192
 CPU_STEP_TOKENS = 512
 """The default token budget of a step on the CPU. A step's prompt tokens hold up every running stream until it
-ends: on two cores the 437M K3 prefills ~230 tokens/s, and with 8,192 its streams stopped for up to 15.8 s while 32
-clients came and went (llama-server's longest gap in that run: 0.8 s); with 512 (llama.cpp's micro-batch) 4.6 s, and
-its output at 32 clients fell from 1.12x to 0.79x llama-server's in that run (docs/benchmarks.md,
-serve-vs-llamacpp)."""
+ends: on two cores the 437M K3 prefills ~230 tokens/s, so 8,192 of them stopped its streams for up to 16 s while 32
+clients came and went (docs/benchmarks.md, serve-vs-llamacpp; llama-server's longest gap there: 0.8 s). 512 is
+llama.cpp's micro-batch; a prompt token costs about the same in a step of 512 as of 2,048 on the CPU."""
+"""The speculative algorithms whose drafters read the target's final hidden states."""
 HELP = {
     "model": "model folder",
     "dtype": "weights and activations: auto (the checkpoint's; float32 on the CPU, whose kernels compute in "

@@ -170,8 +170,7 @@ def report(after: dict, before: dict | None, args: argparse.Namespace) -> str:
     lines = [f"## Long context (`{COMMAND}`)",
              f"Bundled model (k3.1-tiny: indexer top-64, 2 sparse MLA + 4 KDA layers), `context_length="
              f"{CONTEXT_LENGTH}`, prefix caching off, eager, one request alone; {args.decode_steps} decode steps "
-             "per context (median); prefill tok/s = prompt tokens / time to the first token (steps of the default "
-             "token budget, `EngineArgs.step_token_budget`). "
+             "per context (median); prefill tok/s = prompt tokens / time to the first token (chunks of 2,048). "
              "The ratio column is before/after for ms and after/before for tok/s (above 1 = faster).",
              markdown_table(header, rows),
              *prediction_tables(after),

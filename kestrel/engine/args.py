@@ -19,12 +19,6 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "k3.1-tiny"
 """The model kestrel ships (trained by tools/train_tiny.py): the default of `kestrel serve` and `kestrel generate`."""
 MODEL_DRAFTERS = ("NEXTN", "DFLASH")
-GPU_STEP_TOKENS = 8192
-CPU_STEP_TOKENS = 512
-"""The default token budget of a step on the CPU. A step's prompt tokens hold up every running stream until it
-ends: on two cores the 437M K3 prefills ~230 tokens/s, so 8,192 of them stopped its streams for up to 16 s while 32
-clients came and went (docs/benchmarks.md, serve-vs-llamacpp; llama-server's longest gap there: 0.8 s). 512 is
-llama.cpp's micro-batch; a prompt token costs about the same in a step of 512 as of 2,048 on the CPU."""
 """The speculative algorithms whose drafters read the target's final hidden states."""
 HELP = {
     "model": "model folder",
@@ -44,8 +38,7 @@ HELP = {
                       "trained length too (the family has no RoPE), refused at start-up when the KV pool cannot hold it",
     "max_prompt_tokens": "longer prompts are refused (default: the context length)",
     "chunked_prefill_size": "most prompt tokens of one request per step",
-    "max_prefill_tokens": "most tokens (prefill and decode) in one step (default: 512 on the CPU, where a step of "
-                          "thousands of prompt tokens holds every running stream up for seconds; 8192 elsewhere)",
+    "max_prefill_tokens": "most tokens (prefill and decode) in one step",
     "random_seed": "seeds the sampling of requests that set no seed of their own",
     "attention_backend": "MLA decode and the indexer: auto (Triton on CUDA), torch or triton",
     "moe_backend": "routed experts: auto, torch or triton",
@@ -125,7 +118,7 @@ class EngineArgs:
     context_length: int | None = None            # default: the model's max_position_embeddings
     max_prompt_tokens: int | None = None         # longer prompts are refused (default: the context length)
     chunked_prefill_size: int = 2048             # most prompt tokens of one request per step
-    max_prefill_tokens: int | None = None        # most tokens (prefill and decode) in one step (step_token_budget)
+    max_prefill_tokens: int = 8192               # most tokens (prefill and decode) in one step
     random_seed: int = 0                         # seeds requests that set no seed of their own
     attention_backend: str = "auto"              # MLA decode and the indexer: auto (Triton on CUDA), torch, triton
     moe_backend: str = "auto"                    # routed experts
@@ -202,7 +195,7 @@ class EngineArgs:
             (self.context_length is None or self.context_length >= 1, "context_length", "at least 1"),
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens", "at least 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
-            (self.max_prefill_tokens is None or self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),
             (self.torch_compile_max_bs >= 1, "torch_compile_max_bs", "at least 1"),
             (not (self.enable_torch_compile and self.enable_background_compile), "enable_background_compile",
@@ -290,12 +283,6 @@ class EngineArgs:
         share = {name: max(1, getattr(self, name) // dp) for name in ("max_running_requests", "max_mamba_cache_size")
                  if getattr(self, name) is not None}
         return dataclasses.replace(self, **share)
-
-    def step_token_budget(self, device: torch.device) -> int:
-        """--max-prefill-tokens, or by default CPU_STEP_TOKENS on the CPU and GPU_STEP_TOKENS elsewhere."""
-        if self.max_prefill_tokens is not None:
-            return self.max_prefill_tokens
-        return CPU_STEP_TOKENS if device.type == "cpu" else GPU_STEP_TOKENS
 
     def model_dtype(self, device: torch.device) -> torch.dtype | None:
         """The dtype the model is loaded in (None: the checkpoint's). auto is float32 on the CPU: kestrel's CPU

@@ -76,7 +76,6 @@ class LLMEngine:
         folder, layout = Path(args.model), ParallelLayout.from_args(args)
         self.ranks = Ranks(args, layout) if layout.world_size > 1 else None
         device = self.ranks.device if self.ranks else torch.device(args.device)
-        self.step_tokens = args.step_token_budget(device)      # a step's token budget (the schedulers')
         graphs = not args.disable_cuda_graph and graphs_supported(device)
         mode = args.torch_compile(device)
         compiled = mode is not None
@@ -164,7 +163,7 @@ class LLMEngine:
         args, plan = self.args, self.plan
         state_pool, kv_pool = StatePool(plan.num_slots, ops), KVPool(plan.num_pages, plan.page_size, ops)
         return Scheduler(state_pool, kv_pool, page_table, plan.max_running_requests, args.chunked_prefill_size,
-                         self.step_tokens, build_prefix_cache(args, state_pool, kv_pool, self.cache, plan),
+                         args.max_prefill_tokens, build_prefix_cache(args, state_pool, kv_pool, self.cache, plan),
                          args.mamba_scheduler_strategy == "extra_buffer", args.mamba_track_interval,
                          args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0)
 

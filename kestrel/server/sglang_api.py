@@ -74,7 +74,7 @@ def _server_info(engine: AsyncEngine, options: ServerOptions) -> dict:
         "model_path": args.model, "tokenizer_path": args.model, "served_model_name": options.model_name,
         "dp_size": 1, "tp_size": args.tp_size, "pp_size": args.pp_size, "page_size": args.page_size,
         "context_length": engine.engine.context_length, "chunked_prefill_size": args.chunked_prefill_size,
-        "max_prefill_tokens": engine.engine.step_tokens, "max_running_requests": engine.engine.scheduler.max_running,
+        "max_prefill_tokens": args.max_prefill_tokens, "max_running_requests": engine.engine.scheduler.max_running,
         "max_total_tokens": stats.kv_pages_total * args.page_size, "disable_radix_cache": args.disable_radix_cache,
         "disaggregation_mode": options.disaggregation_mode,
         "disaggregation_bootstrap_port": options.disaggregation_bootstrap_port,

@@ -73,7 +73,6 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
-        self._owns_engine = not isinstance(engine, LLMEngine)
         built: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._engine_thread, args=(engine, built), name="kestrel-engine",
                                         daemon=True)
@@ -198,8 +197,9 @@ class AsyncEngine:
     def _engine_thread(self, engine: LLMEngine | Callable[[], LLMEngine], built: queue.Queue) -> None:
         """The engine thread: build the engine (when given a function), publish it, loop, and shut it down when
         this thread owns it."""
+        owns = not isinstance(engine, LLMEngine)
         try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.engine = engine() if owns else engine
             self._stats = self._snapshot()
         except BaseException as e:          # noqa: BLE001 - handed to the constructor, which raises it
             built.put(e)
@@ -208,7 +208,7 @@ class AsyncEngine:
         try:
             self._loop()
         finally:
-            if self._owns_engine:
+            if owns:
                 self.engine.shutdown()
 
     def _loop(self) -> None:

@@ -299,7 +299,11 @@ class LinearGroup(nn.Module):
         self.members = members                      # a tuple, not submodules: the state dict keeps its names
         self.sizes: list[int] = []
         self.register_buffer("weight", None, persistent=False)
-        self.large = False                          # the fused weight has FUSE_MAX_WEIGHT elements or more
+
+    @property
+    def large(self) -> bool:
+        """Whether the fused weight has FUSE_MAX_WEIGHT elements or more (so multiplies only linear_dots' rows)."""
+        return self.weight is not None and self.weight.numel() >= FUSE_MAX_WEIGHT
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., in] -> each member's output [..., out_i] (views of one product's columns once fused)."""
@@ -318,7 +322,7 @@ class LinearGroup(nn.Module):
         fused = torch.cat([w.detach() for w in weights])
         if column_major_ok and column_major_pays(fused):
             fused = column_major(fused)
-        self.weight, self.sizes, self.large = fused, [w.shape[0] for w in weights], fused.numel() >= FUSE_MAX_WEIGHT
+        self.weight, self.sizes = fused, [w.shape[0] for w in weights]
         for w, block in zip(weights, fused.split(self.sizes)):
             w.data = block
         return True

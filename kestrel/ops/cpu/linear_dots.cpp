@@ -116,29 +116,29 @@ at::Tensor linear_dots(const at::Tensor& x, const at::Tensor& w, const std::opti
   const float* xs = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t stride = x.stride(0), grain = std::max<int64_t>(8, TASK_WEIGHTS / std::max<int64_t>(in, 1));
-  if (column_major) {                                     // tasks of whole vectors of outputs
-    const int64_t vectors = (out_dim + V - 1) / V;
-    at::parallel_for(0, vectors, std::max<int64_t>(1, grain / V), [&](int64_t first, int64_t last) {
-      const int64_t begin = first * V, end = std::min(last * V, out_dim);
-      switch (rows) {
-        case 0: break;
-        case 1: columns<1>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-        case 2: columns<2>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-        case 3: columns<3>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-        default: columns<4>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-      }
-    });
-    return out;
-  }
-  at::parallel_for(0, out_dim, grain, [&](int64_t begin, int64_t end) {
+  // Outputs [begin, end) of x's rows by `kernel`, instantiated for their count (M = 1 to 4).
+  const auto by_rows = [&](auto kernel, int64_t begin, int64_t end) {
     switch (rows) {
       case 0: break;
-      case 1: dots<1>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-      case 2: dots<2>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-      case 3: dots<3>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
-      default: dots<4>(weights, xs, stride, in, b, o, out_dim, begin, end); break;
+      case 1: kernel.template operator()<1>(begin, end); break;
+      case 2: kernel.template operator()<2>(begin, end); break;
+      case 3: kernel.template operator()<3>(begin, end); break;
+      default: kernel.template operator()<4>(begin, end); break;
     }
-  });
+  };
+  if (column_major) {                                     // tasks of whole vectors of outputs
+    const auto kernel = [&]<int M>(int64_t begin, int64_t end) {
+      columns<M>(weights, xs, stride, in, b, o, out_dim, begin, end);
+    };
+    at::parallel_for(0, (out_dim + V - 1) / V, std::max<int64_t>(1, grain / V), [&](int64_t first, int64_t last) {
+      by_rows(kernel, first * V, std::min(last * V, out_dim));
+    });
+  } else {
+    const auto kernel = [&]<int M>(int64_t begin, int64_t end) {
+      dots<M>(weights, xs, stride, in, b, o, out_dim, begin, end);
+    };
+    at::parallel_for(0, out_dim, grain, [&](int64_t begin, int64_t end) { by_rows(kernel, begin, end); });
+  }
   return out;
 }
 

@@ -2,7 +2,8 @@
 paged_indexer_topk): the positions a stable descending sort of the torch reference's scores lists first when those
 scores are the batch-invariant products' (the kernel's summation order: equal bit for bit, ties included), for
 float32, bfloat16 and FP8 keys, pages out of order, several sequences and tokens per sequence, tokens that see
-nothing, and its keys split across threads; against float64 scores, no unselected key beats a selected one by more
+nothing, decode tokens (a tile of one, scored in registers) at page sizes and dims off its vector width, and its
+keys split across threads; against float64 scores, no unselected key beats a selected one by more
 than float32 rounding; positions outside the cache are refused."""
 
 from __future__ import annotations
@@ -87,6 +88,29 @@ def test_keys_split_across_threads_select_the_same_positions() -> None:
         for count in (1, 2, 4, 7):
             torch.set_num_threads(count)
             assert torch.equal(paged_indexer_topk(*args, 64), expected), count
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("page_size, dim, key_dtype, query_dtype", [
+    (16, 32, torch.float32, torch.float32),      # whole groups of keys read in place
+    (5, 24, torch.float32, torch.float32),       # groups across pages, a dim no multiple of the vector width
+    (24, 48, torch.bfloat16, torch.float32),     # converted keys
+    (16, 40, FP8, torch.float32),
+    (16, 32, torch.float32, torch.bfloat16),     # keys rounded to the query's dtype
+])
+def test_decode_tokens_select_what_the_invariant_scores_select(page_size, dim, key_dtype, query_dtype) -> None:
+    """Tokens alone in their tile (one per sequence, as in a decode step) take the one-token scan: the same
+    selection, on one thread and with each token's keys split in two (4 threads for 3 tiles)."""
+    assert cpu.load()
+    args = paged_inputs(torch.Generator().manual_seed(page_size + dim), [1, 1, 1], 9001, 3, dim, key_dtype,
+                        query_dtype, page_size=page_size, integers=True)
+    expected = reference(args, 40)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 4):
+            torch.set_num_threads(count)
+            assert torch.equal(paged_indexer_topk(*args, 40), expected), count
     finally:
         torch.set_num_threads(threads)
 

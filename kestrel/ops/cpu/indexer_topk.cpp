@@ -14,6 +14,8 @@
 // ascending order, so a later equal score never outranks a kept one); a full candidate buffer is cut back to the
 // topk best by a partial selection. Tiles run in parallel; with fewer tiles than threads, each tile's positions are
 // split into segments whose candidates are merged (each segment's topk hold every overall winner from it).
+// A tile of one token (a decode step's) scores V keys at a time transposed in registers instead (float keys of one
+// page straight from the cache): no transposed block to write and read back, the same sums in the same order.
 // The result: [T, topk] int64 positions, best first (higher score, then earlier position: a stable descending sort's
 // order, `kestrel.ops.torch.indexer.topk_positions`), -1 after the last where a token sees fewer than topk keys.
 #include <ATen/Parallel.h>
@@ -24,9 +26,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -87,40 +95,155 @@ class Best {
   std::vector<Candidate> kept_;
 };
 
-// The positions [first, last) of a sequence (its page table row `table`) as floats into kt [D, KEY_BLOCK]: scaled
-// (FP8), then rounded to the query's dtype, 16 keys at a time into rows [16, D], then transposed 16 x 16 (in
-// registers where ATen's vectors have it).
-template <typename Key, typename Round>
-void load_block(const Key* keys, const float* scales, const int64_t* table, int64_t page_size, int64_t dim,
-                int64_t first, int64_t last, float* rows, float* kt) {
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(Key));
-  for (int64_t s0 = first; s0 < last; s0 += 16) {
-    const int64_t n = std::min<int64_t>(16, last - s0);
-    for (int64_t s = s0 + 16; s < std::min(s0 + 32, last); ++s) {   // the next 16 keys' rows, while these convert
-      const char* next = reinterpret_cast<const char*>(keys + (table[s / page_size] * page_size + s % page_size) * dim);
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 0);
+#if defined(CPU_CAPABILITY_AVX512)
+using Register = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using Register = __m256;
+#else
+using Register = Vec;
+#endif
+
+// V rows of V floats (src, rows ld apart) transposed: out[j] holds column j, a coordinate of V consecutive keys.
+// In registers where ATen's vectors are AVX-512 or AVX2 (its transpose_mxn takes ~4x as long with masked loads and
+// stores).
+inline void transpose(const float* src, int64_t ld, Register* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int i = 0; i < 16; i += 2) {                   // rows i, i + 1 interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {                   // r[i + j]: rows i..i+3 of column j of each 128-bit lane
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int g = 0; g < 16; g += 8)                     // lanes of rows g..g+3 and g+4..g+7 gathered
+    for (int j = 0; j < 4; ++j) {
+      t[g + j] = _mm512_shuffle_f32x4(r[g + j], r[g + 4 + j], 0x88);
+      t[g + 4 + j] = _mm512_shuffle_f32x4(r[g + j], r[g + 4 + j], 0xdd);
     }
-    int64_t page = s0 / page_size, offset = s0 % page_size;          // one division per 16 keys
+  for (int j = 0; j < 8; ++j) {                       // and the two halves of the rows
+    out[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    out[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; i += 2) {                    // rows i, i + 1 interleaved
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {                    // r[i + j]: rows i..i+3 of column j of each 128-bit lane
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {                       // and the two halves of the rows
+    out[j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x20);
+    out[4 + j] = _mm256_permute2f128_ps(r[j], r[4 + j], 0x31);
+  }
+#else
+  float column[V];
+  for (int64_t j = 0; j < V; ++j) {
+    for (int64_t i = 0; i < V; ++i) column[i] = src[i * ld + j];
+    out[j] = Vec::loadu(column);
+  }
+#endif
+}
+
+// Every FP8 E4M3 code's value.
+const std::array<float, 256> FP8_VALUES = [] {
+  std::array<float, 256> values;
+  for (int code = 0; code < 256; ++code)
+    values[code] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits()));
+  return values;
+}();
+
+// A key's stored value as a float (FP8 through the table of its codes).
+template <typename Key>
+inline float widen(Key key) {
+  if constexpr (std::is_same_v<Key, c10::Float8_e4m3fn>) return FP8_VALUES[key.x];
+  else return static_cast<float>(key);
+}
+
+// Where the paged index keys of a sequence (its page table row `table`) are.
+template <typename Key>
+struct Keys {
+  const Key* data;                         // [R, D]
+  const float* scales;                     // [R] (FP8 keys) or null
+  const int64_t* table;
+  int64_t page_size, dim;
+
+  const Key* row(int64_t position) const {
+    return data + (table[position / page_size] * page_size + position % page_size) * dim;
+  }
+
+  // Positions first..first + n - 1 as float rows out [n, D]: scaled (FP8), then rounded to the query's dtype
+  // (Round), as `read_rows` dequantizes them.
+  template <typename Round>
+  void convert(int64_t first, int64_t n, float* out) const {
+    int64_t page = first / page_size, offset = first % page_size;
+    for (int64_t i = 0; i < n; ++i, ++offset, out += dim) {
+      if (offset == page_size) offset = 0, ++page;
+      const int64_t index = table[page] * page_size + offset;
+      const Key* key = data + index * dim;
+      const float scale = scales ? scales[index] : 1.f;
+      for (int64_t d = 0; d < dim; ++d)
+        out[d] = static_cast<float>(static_cast<Round>(scales ? widen(key[d]) * scale : widen(key[d])));
+    }
+  }
+
+  // Float rows first..first + n - 1 where they lie in one page and need no conversion, else null.
+  template <typename Round>
+  const float* in_place(int64_t first, int64_t n) const {
+    if constexpr (std::is_same_v<Key, float> && std::is_same_v<Round, float>) {
+      if (first % page_size + n <= page_size) return row(first);
+    }
+    return nullptr;
+  }
+
+  // Asks for the rows of positions first..first + n - 1 ahead of their use. Inlined: GCC finds a function of
+  // prefetches free of side effects and drops calls of it.
+  [[gnu::always_inline]] void prefetch(int64_t first, int64_t n) const {
+    int64_t page = first / page_size, offset = first % page_size;
     for (int64_t i = 0; i < n; ++i, ++offset) {
       if (offset == page_size) offset = 0, ++page;
-      const int64_t row = table[page] * page_size + offset;
-      const Key* key = keys + row * dim;
-      float* out = rows + i * dim;
-      if (scales) {
-        const float scale = scales[row];
-        for (int64_t d = 0; d < dim; ++d)
-          out[d] = static_cast<float>(static_cast<Round>(static_cast<float>(key[d]) * scale));
-      } else {
-        for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(static_cast<Round>(static_cast<float>(key[d])));
-      }
+      const char* bytes = reinterpret_cast<const char*>(data + (table[page] * page_size + offset) * dim);
+      for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(Key)); b += 64) __builtin_prefetch(bytes + b, 0, 0);
+    }
+  }
+};
+
+// The positions [first, last) as floats into kt [D, KEY_BLOCK], 16 keys at a time (rows [16, D] converted unless
+// read in place), transposed V x V.
+template <typename Key, typename Round>
+void load_block(const Keys<Key>& keys, int64_t first, int64_t last, float* rows, float* kt) {
+  const int64_t dim = keys.dim;
+  for (int64_t s0 = first; s0 < last; s0 += 16) {
+    const int64_t n = std::min<int64_t>(16, last - s0);
+    keys.prefetch(s0 + 16, std::max<int64_t>(0, std::min<int64_t>(16, last - s0 - 16)));
+    const float* source = n == 16 ? keys.template in_place<Round>(s0, 16) : nullptr;
+    if (!source) {
+      keys.template convert<Round>(s0, n, rows);
+      source = rows;
     }
     float* column = kt + (s0 - first);
     int64_t d0 = 0;
     if (n == 16)
-      for (; d0 + 16 <= dim; d0 += 16)
-        at::vec::transpose_mxn<float, 16, 16>(rows + d0, dim, column + d0 * KEY_BLOCK, KEY_BLOCK);
+      for (; d0 + V <= dim; d0 += V)
+        for (int64_t i0 = 0; i0 < 16; i0 += V) {
+          Register out[V];
+          transpose(source + i0 * dim + d0, dim, out);
+          for (int64_t j = 0; j < V; ++j) Vec(out[j]).store(column + (d0 + j) * KEY_BLOCK + i0);
+        }
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = d0; d < dim; ++d) column[d * KEY_BLOCK + i] = rows[i * dim + d];
+      for (int64_t d = d0; d < dim; ++d) column[d * KEY_BLOCK + i] = source[i * dim + d];
   }
 }
 
@@ -176,7 +299,67 @@ struct Problem {
   const float* scales;                     // [R] (FP8 keys) or null
   const int64_t *table, *positions;        // [N, width], [T]
   int64_t width, page_size, heads, dim, topk;
+
+  template <typename Key>
+  Keys<Key> keys_of(int64_t seq) const {
+    return {static_cast<const Key*>(keys), scales, table + seq * width, page_size, dim};
+  }
 };
+
+// One token's scores (q [H, D], w [H]) of V keys (rows [V, D], rows ld apart), D in blocks of V transposed in
+// registers: each key's dot products one fused multiply-add per d from zero, d ascending, its heads summed h
+// ascending, as score_block sums. acc: [H] scratch.
+void score_keys(const float* rows, int64_t ld, const float* q, const float* w, int64_t heads, int64_t dim,
+                float scale, Vec* acc, float* scores) {
+  const Vec zero(0.f);
+  for (int64_t h = 0; h < heads; ++h) acc[h] = zero;
+  int64_t d0 = 0;
+  for (; d0 + V <= dim; d0 += V) {
+    Register column[V];
+    transpose(rows + d0, ld, column);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qh = q + h * dim + d0;
+      Vec a = acc[h];
+      for (int64_t j = 0; j < V; ++j) a = at::vec::fmadd(Vec(qh[j]), Vec(column[j]), a);
+      acc[h] = a;
+    }
+  }
+  for (; d0 < dim; ++d0) {                             // a D that is no multiple of V
+    float values[V];
+    for (int64_t i = 0; i < V; ++i) values[i] = rows[i * ld + d0];
+    const Vec column = Vec::loadu(values);
+    for (int64_t h = 0; h < heads; ++h) acc[h] = at::vec::fmadd(Vec(q[h * dim + d0]), column, acc[h]);
+  }
+  Vec total = zero;
+  const Vec scale_v(scale);
+  for (int64_t h = 0; h < heads; ++h) total = at::vec::fmadd(at::vec::maximum(acc[h], zero) * scale_v, Vec(w[h]), total);
+  total.store(scores);
+}
+
+// A one-token tile's candidates among positions [lo, hi), V keys at a time.
+template <typename Key, typename Round>
+void scan_one(const Problem& p, const Tile& tile, int64_t lo, int64_t hi, Best& best) {
+  const int64_t t = tile.first;
+  const float *q = p.q + t * p.heads * p.dim, *w = p.w + t * p.heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(p.dim));
+  const Keys<Key> keys = p.keys_of<Key>(tile.seq);
+  std::vector<float> rows(V * p.dim, 0.f);
+  std::vector<Vec> acc(p.heads);
+  float scores[V];
+  constexpr int64_t AHEAD = 4 * V;                     // keys prefetched ahead of their scores
+  hi = std::min(hi, p.positions[t] + 1);
+  for (int64_t s0 = lo; s0 < hi; s0 += V) {
+    const int64_t n = std::min<int64_t>(V, hi - s0);
+    keys.prefetch(s0 + AHEAD, std::max<int64_t>(0, std::min<int64_t>(V, hi - s0 - AHEAD)));
+    const float* source = n == V ? keys.template in_place<Round>(s0, V) : nullptr;
+    if (!source) {
+      keys.template convert<Round>(s0, n, rows.data());
+      source = rows.data();
+    }
+    score_keys(source, p.dim, q, w, p.heads, p.dim, scale, acc.data(), scores);
+    best.offer_all(scores, n, s0);
+  }
+}
 
 // The tile's tokens' candidates among positions [lo, hi).
 template <typename Key, typename Round>
@@ -184,11 +367,10 @@ void scan(const Problem& p, const Tile& tile, int64_t lo, int64_t hi, std::vecto
   std::vector<float> kt(p.dim * KEY_BLOCK, 0.f), rows(16 * p.dim);
   float scores[PAIR][KEY_BLOCK];
   const float scale = 1.f / std::sqrt(static_cast<float>(p.dim));
-  const int64_t* table = p.table + tile.seq * p.width;
+  const Keys<Key> keys = p.keys_of<Key>(tile.seq);
   for (int64_t first = lo; first < hi; first += KEY_BLOCK) {
     const int64_t last = std::min(first + KEY_BLOCK, hi);
-    load_block<Key, Round>(static_cast<const Key*>(p.keys), p.scales, table, p.page_size, p.dim, first, last,
-                           rows.data(), kt.data());
+    load_block<Key, Round>(keys, first, last, rows.data(), kt.data());
     for (int64_t i = 0; i < tile.count; i += PAIR) {
       const int64_t together = std::min<int64_t>(PAIR, tile.count - i);
       const float* q[PAIR];
@@ -216,10 +398,12 @@ void run(const Problem& p, std::vector<std::vector<Candidate>>& found) {
   at::parallel_for(0, static_cast<int64_t>(p.tiles.size()) * p.segments, 1, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       const Tile& tile = p.tiles[unit / p.segments];
-      const int64_t segment = unit % p.segments, share = (tile.end + p.segments - 1) / p.segments;
+      const int64_t segment = unit % p.segments;
+      const int64_t share = (tile.end + 16 * p.segments - 1) / (16 * p.segments) * 16;   // whole groups of 16
       const int64_t lo = std::min(segment * share, tile.end), hi = std::min(lo + share, tile.end);
       std::vector<Best> best(tile.count, Best(p.topk));
-      scan<Key, Round>(p, tile, lo, hi, best);
+      if (tile.count == 1) scan_one<Key, Round>(p, tile, lo, hi, best[0]);
+      else scan<Key, Round>(p, tile, lo, hi, best);
       for (int64_t i = 0; i < tile.count; ++i) found[(tile.first + i) * p.segments + segment] = best[i].finish();
     }
   });

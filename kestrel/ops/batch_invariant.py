@@ -24,7 +24,7 @@ The rest of what the model runs was probed the same way (rows at batch sizes 1 t
 column-major) and is invariant already: elementwise arithmetic and exp, log, log1p, tanh, rsqrt (IEEE, or vectorised
 to the end of the array in any layout), max, cumsum (sequential), layer_norm. tests/ops/test_batch_invariant.py
 checks the replacements row by row; tests/engine/test_deterministic.py the whole forward, token by token. The routed
-experts run on kestrel_cpu::expert_matvec, each token-expert pair summed alike however many share its expert
+experts run on kestrel_cpu::expert_mlp, each token-expert pair summed alike however many share its expert
 (INVARIANT_OPS, which kestrel.ops.backend's get_op hands out here). The KDA and MLA layers also take their
 token-by-token forms for every token (kestrel.engine.deterministic), so a prefill chunk, a decode step and a
 verification compute each token the same way.

@@ -189,7 +189,7 @@ class OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-CPU_KERNELS = {"kestrel_cpu.linear_dots", "kestrel_cpu.expert_matvec", "kestrel_cpu.kda_decode_step_",
+CPU_KERNELS = {"kestrel_cpu.linear_dots", "kestrel_cpu.expert_mlp", "kestrel_cpu.kda_decode_step_",
                "kestrel_cpu.paged_mla"}
 
 

@@ -36,17 +36,19 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:xdist", *sys.arg
 
 
 def test_the_avx2_build_computes_the_same() -> None:
-    """The kernels carry code for AVX-512 and for AVX2 (expert_matvec's MXFP4 decode); on a CPU with AVX-512 the
-    suite builds and tests the first, so the kernel tests, and the traced decode step that calls them, run again
-    here in a process whose kernels and ATen kernels are built for AVX2 (ATEN_CPU_CAPABILITY=avx2, which
-    inductor's ISA choice follows). Elsewhere the suite itself tests this CPU's build."""
+    """The kernels carry code for AVX-512 and for AVX2 (expert_matvec's MXFP4 decode, indexer_topk's transposes);
+    on a CPU with AVX-512 the suite builds and tests the first, so the kernel tests, and the traced decode step that
+    calls them, run again here in a process whose kernels and ATen kernels are built for AVX2
+    (ATEN_CPU_CAPABILITY=avx2, which inductor's ISA choice follows). Elsewhere the suite itself tests this CPU's
+    build."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     if "CPU_CAPABILITY_AVX512" not in pick_vec_isa().build_macro():
         pytest.skip(f"this CPU's kernels are built for {pick_vec_isa() or 'no vector ISA'}, tested by the suite")
     tests = Path(__file__).parent
     result = subprocess.run([sys.executable, "-c", AVX2_RUN, str(tests / "test_moe_experts.py"), "-k",
-                             "expert_matvec or cpu_kernel", str(tests / "test_kda_decode_step.py"),
+                             "expert_matvec or expert_mlp or cpu_kernel", str(tests / "test_kda_decode_step.py"),
+                             str(tests / "test_indexer_topk.py"),
                              str(tests / "test_linear_rows.py"), str(tests / "test_linear_dots.py"),
                              str(tests / "test_attn_res_kernel.py"), str(tests / "test_paged_mla_kernel.py"),
                              str(tests / "test_norm_and_glu_kernels.py"),

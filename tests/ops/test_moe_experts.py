@@ -100,7 +100,7 @@ def test_matches_the_per_token_formula(tokens: int, form: str, activation: str, 
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, weight_dtype: torch.dtype,
                                                       activation: str) -> None:
-    """moe_experts_native (experts on kestrel_cpu::expert_matvec, float32 activations): float32 experts, bfloat16
+    """moe_experts_native (experts on kestrel_cpu::expert_mlp, float32 activations): float32 experts, bfloat16
     ones multiplied in float32 and MXFP4 ones decoded as they are read, against the formula over the same
     weights."""
     generator = torch.Generator().manual_seed(tokens)
@@ -116,6 +116,73 @@ def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, we
     actual = moe_experts_native(z, ids, weights, experts, ACTIVATIONS[activation])
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def composed(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+             activation: GLUActivation) -> torch.Tensor:
+    """The routed experts as separate kernel and torch ops: each pair's token repeated, expert_matvec's products,
+    glu between them, the weighted sum over each token's experts [T, k, D] -> [T, D]."""
+    tokens, top_k = ids.shape
+    expert, x = ids.flatten(), z.repeat_interleave(top_k, 0)
+
+    def matvec(rows: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.ops.kestrel_cpu.expert_matvec(rows, expert, getattr(experts, name),
+                                                   getattr(experts, f"{name}_scale", None))
+
+    gate, up = matvec(x, "w13").chunk(2, -1) if experts.w13 is not None else (matvec(x, "w1"), matvec(x, "w3"))
+    hidden = torch.ops.kestrel_cpu.glu(gate, up, activation.kind == "situ", activation.beta, activation.linear_beta)
+    return (matvec(hidden, "w2").view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 33])
+@pytest.mark.parametrize("form, weight_dtype", [*((form, dtype) for form in DENSE_FORMS
+                                                  for dtype in (torch.float32, torch.bfloat16)),
+                                                ("mxfp4", torch.uint8)])
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+def test_expert_mlp_equals_the_ops_it_fuses(tokens: int, form: str, weight_dtype: torch.dtype,
+                                            activation: str) -> None:
+    """kestrel_cpu::expert_mlp (moe_experts_native's one call) computes exactly what its products, activation and
+    weighted sum computed as separate ops, bit for bit, on one thread and two, with z's rows strided (the columns of
+    a fused projection); registered soundly (torch.library.opcheck)."""
+    assert cpu.load()
+    generator = torch.Generator().manual_seed(tokens + 1)
+    experts = make_experts(generator=generator, **FORMS[form])
+    if not experts.mxfp4:
+        experts = ExpertWeights(*(None if w is None else w.to(weight_dtype) for w in
+                                  (experts.w1, experts.w3, experts.w2, None, None, None, experts.w13)))
+    z = torch.randn(tokens, DIM + 5, generator=generator)[:, 2:DIM + 2]
+    ids, weights = routing(tokens, generator)
+    expected = composed(z.contiguous(), ids, weights, experts, ACTIVATIONS[activation])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(moe_experts_native(z, ids, weights, experts, ACTIVATIONS[activation]), expected)
+    finally:
+        torch.set_num_threads(threads)
+    fused = experts.w13 is not None
+    args = (z.contiguous(), ids, weights, experts.w13 if fused else experts.w1, experts.w1_scale,
+            None if fused else experts.w3, experts.w3_scale, experts.w2, experts.w2_scale, activation == "situ",
+            ACTIVATIONS[activation].beta, ACTIVATIONS[activation].linear_beta)
+    if not experts.mxfp4:               # opcheck's schema test perturbs the inputs, which uint8 codes do not allow
+        torch.library.opcheck(torch.ops.kestrel_cpu.expert_mlp.default, args)
+
+
+def test_expert_mlp_refuses_what_it_cannot_compute() -> None:
+    assert cpu.load()
+    generator = torch.Generator().manual_seed(5)
+    experts = make_experts(False, generator)
+    z = torch.randn(2, DIM, generator=generator)
+    ids, weights = routing(2, generator)
+    call = torch.ops.kestrel_cpu.expert_mlp
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(z, ids + NUM_EXPERTS, weights, experts.w1, None, experts.w3, None, experts.w2, None, False, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="one shape"):
+        call(z, ids, weights, experts.w1, None, experts.w3[:-1], None, experts.w2, None, False, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="w2 must be"):
+        call(z, ids, weights, experts.w1, None, experts.w3, None, experts.w2[:-1], None, False, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="ids int64 and weights float32"):
+        call(z, ids, weights.double(), experts.w1, None, experts.w3, None, experts.w2, None, False, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
@@ -169,9 +236,9 @@ def test_expert_matvec_decodes_mxfp4_weights(experts, out_dim, in_dim, pairs) ->
     bound = float(expected.nan_to_num().abs().max()) if pairs else 0.0
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-6 * bound, equal_nan=True)
     torch.library.opcheck(matvec.default, (x, expert, codes, scale.clamp(max=130)))      # its checks want no NaN
-    with pytest.raises(RuntimeError, match="MXFP4 w must be"):
+    with pytest.raises(RuntimeError, match="MXFP4 weights must be"):
         matvec(torch.zeros(1, in_dim + 2), torch.tensor([0]), codes[..., :-1].contiguous(), scale)
-    with pytest.raises(RuntimeError, match="scale must be"):
+    with pytest.raises(RuntimeError, match="MXFP4 scales must be"):
         matvec(torch.zeros(1, in_dim), torch.tensor([0]), codes, scale[:, :-1].contiguous())
 
 
@@ -274,7 +341,7 @@ def test_traced_experts_compute_the_float32_copys_products(tokens: int, kernel: 
 
     def capture(gm: torch.fx.GraphModule, inputs):
         targets = {str(node.target) for node in gm.graph.nodes if node.op == "call_function"}
-        paths.append(next((name for op, name in (("kestrel_cpu.expert_matvec", "kernel"),
+        paths.append(next((name for op, name in (("kestrel_cpu.expert_mlp", "kernel"),
                                                    ("kestrel.moe_experts_grouped", "grouped")) if
                            any(op in target for target in targets)), "by_pairs"))
         return gm.forward

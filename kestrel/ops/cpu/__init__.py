@@ -3,8 +3,11 @@
 - `expert_matvec(x, expert, w, scale=None)` (expert_matvec.cpp): out[p] = w[expert[p]] @ x[p] for P token-expert
   pairs, x float32 [P, in], expert int64 [P], w float32 or bfloat16 [E, out, in], or MXFP4 (kestrel.quant.mxfp4:
   codes uint8 [E, out, in / 2] with scale uint8 [E, out, in / 32]) -> float32 [P, out]. Each expert's rows are read
-  once for all of its pairs (MXFP4 ones decoded in registers); kestrel.ops.torch.moe runs the routed experts'
-  products on it.
+  once for all of its pairs (MXFP4 ones decoded in registers).
+- `expert_mlp(z, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, situ, beta, linear_beta)`
+  (expert_matvec.cpp): the routed experts of T tokens whole, sum_j weights[t, j] * w2[e] act(w1[e] z[t], w3[e] z[t])
+  over e = ids[t, j] -> float32 [T, D]: expert_matvec's three products, glu's activation (glu.h) and the weighted
+  sum in one call (w3 None: w1 is the dense [E, 2I, D] of both); kestrel.ops.torch.moe runs the routed experts on it.
 - `kda_decode_step_(qkv, gate_raw, beta_raw, out_gate, conv_weight, A_log, dt_bias, norm_weight, lower_bound,
   norm_eps, conv_pool, state_pool, slots, use_state, scale)` (kda_decode_step.cpp): one decode token of a KDA layer
   for N sequences, float32, from the q, k, v projections qkv [N, 3*H*D] before the short conv to the gated output
@@ -41,7 +44,8 @@
   kestrel.ops.batch_invariant (deterministic inference).
 
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
-too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets, into
+too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets (-ffp-contract=off
+among them: each kernel rounds where its source says, with fused multiply-adds where it calls them), into
 `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
 by processes (~55 s on 2 cores, once; a build removes all but the KEEP most recently used), and tags inductor's
 cache keys with the library's, so that no graph compiled against other kernels calls these. Where no ISA is found
@@ -64,6 +68,7 @@ import torch
 log = logging.getLogger("kestrel")
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "cpu-kernels"
 _loading = threading.Lock()
 KEEP = 8
@@ -102,6 +107,10 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::expert_matvec")
     def _(x, expert, w, scale=None):
         return x.new_empty(x.shape[0], w.shape[1])
+
+    @torch.library.register_fake("kestrel_cpu::expert_mlp")
+    def _(z, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, situ, beta, linear_beta):
+        return z.new_empty(z.shape)
 
     @torch.library.register_fake("kestrel_cpu::linear_rows")
     def _(x, w, bias=None):
@@ -170,10 +179,10 @@ def _build(isa_flags: list[str]) -> Path:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libraries = library_paths()
-    flags = ["-shared", "-fPIC", "-std=c++20", "-O3", "-fopenmp", *isa_flags,
+    flags = ["-shared", "-fPIC", "-std=c++20", "-O3", "-ffp-contract=off", "-fopenmp", *isa_flags,
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include_paths()),
              *(f"-L{p}" for p in libraries), *(f"-Wl,-rpath,{p}" for p in libraries), "-lc10", "-ltorch_cpu"]
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
                          + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:16]
     target = CACHE / f"kestrel_cpu-{key}.so"
     if target.exists():

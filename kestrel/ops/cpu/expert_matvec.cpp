@@ -6,10 +6,15 @@
 // parallel. A task walks its rows ROWS at a time: each chunk of those rows is loaded (widened from bfloat16, or
 // decoded from MXFP4 in registers) once and multiplied into the vectors of up to MAX_PAIRS pairs, accumulated in
 // float32 registers.
+//
+// kestrel_cpu::expert_mlp: a token's routed experts whole, sum_j weights[t, j] * w2[e] act(w1[e] z[t], w3[e] z[t])
+// over its experts e = ids[t, j], in one call: the products as expert_matvec computes them, the activation as glu
+// does (glu.h), the weighted sum in float32, j ascending (what moe_experts_native's torch ops computed around them).
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,6 +26,8 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+
+#include "glu.h"
 
 namespace {
 
@@ -211,54 +218,133 @@ void run_tasks(const Rows& w, const float* x, float* out, int64_t in, int64_t ou
   });
 }
 
+// The pairs grouped by expert (a counting sort): group e is order[start[e] .. start[e + 1]); used: the experts with
+// pairs.
+struct Groups {
+  std::vector<int64_t> start, order, used;
+
+  Groups(const int64_t* expert, int64_t num_pairs, int64_t num_experts, const char* op)
+      : start(num_experts + 1, 0), order(num_pairs) {
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      TORCH_CHECK(expert[p] >= 0 && expert[p] < num_experts, op, ": expert id ", expert[p], " out of range");
+      ++start[expert[p] + 1];
+    }
+    for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < num_pairs; ++p) order[next[expert[p]]++] = p;
+    for (int64_t e = 0; e < num_experts; ++e)
+      if (start[e + 1] > start[e]) used.push_back(e);
+  }
+};
+
+// Checks w ([E, out, in] float32 / bfloat16, or MXFP4 codes [E, out, in / 2] with scales [E, out, in / 32]).
+void check_weight(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t in, const char* op) {
+  if (scale) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && in % MXFP4_BLOCK == 0 &&
+                w.size(2) * 2 == in,
+                op, ": MXFP4 weights must be contiguous uint8 [E, out, in / 2], in a multiple of 32");
+    TORCH_CHECK(scale->scalar_type() == at::kByte && scale->is_contiguous() &&
+                scale->sizes() == at::IntArrayRef({w.size(0), w.size(1), in / MXFP4_BLOCK}),
+                op, ": MXFP4 scales must be contiguous uint8 [E, out, in / 32]");
+  } else {
+    TORCH_CHECK(w.dim() == 3 && w.size(2) == in && w.is_contiguous() &&
+                (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+                op, ": weights must be contiguous float32 or bfloat16 [E, out, in] (or MXFP4 with scales)");
+  }
+}
+
+// out [P, out] = w[expert[p]] @ x[p] for the pairs in groups (x [P, in] float32), the tasks run in parallel.
+void multiply(const at::Tensor& w, const std::optional<at::Tensor>& scale, const float* x, int64_t num_pairs,
+              int64_t in, const Groups& groups, float* out) {
+  const int64_t out_dim = w.size(1);
+  // Row slices of at most TASK_ROWS, smaller while there would be fewer than 4 tasks per thread.
+  const int64_t used = static_cast<int64_t>(groups.used.size());
+  int64_t task_rows = TASK_ROWS;
+  while (task_rows > ROWS && used * ((out_dim + task_rows - 1) / task_rows) < 4 * at::get_num_threads())
+    task_rows /= 2;
+  if (scale)
+    run_tasks(Mxfp4Rows{w.data_ptr<uint8_t>(), scale->data_ptr<uint8_t>(), in}, split_chunks(x, num_pairs, in).data(),
+              out, in, out_dim, groups.order, groups.start, groups.used, task_rows);
+  else if (w.scalar_type() == at::kFloat)
+    run_tasks(DenseRows<float>{w.data_ptr<float>(), in}, x, out, in, out_dim, groups.order, groups.start,
+              groups.used, task_rows);
+  else
+    run_tasks(DenseRows<at::BFloat16>{w.data_ptr<at::BFloat16>(), in}, x, out, in, out_dim, groups.order,
+              groups.start, groups.used, task_rows);
+}
+
 at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at::Tensor& w,
                          const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "expert_matvec: x must be a contiguous float32 [P, in]");
   TORCH_CHECK(expert.dim() == 1 && expert.scalar_type() == at::kLong && expert.size(0) == x.size(0),
               "expert_matvec: expert must be int64 [P]");
-  const int64_t num_pairs = x.size(0), in = x.size(1), num_experts = w.size(0), out_dim = w.size(1);
-  if (scale) {
-    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && in % MXFP4_BLOCK == 0 &&
-                w.size(2) * 2 == in,
-                "expert_matvec: MXFP4 w must be contiguous uint8 [E, out, in / 2], in a multiple of 32");
-    TORCH_CHECK(scale->scalar_type() == at::kByte && scale->is_contiguous() &&
-                scale->sizes() == at::IntArrayRef({num_experts, out_dim, in / MXFP4_BLOCK}),
-                "expert_matvec: scale must be contiguous uint8 [E, out, in / 32]");
-  } else {
-    TORCH_CHECK(w.dim() == 3 && w.size(2) == in && w.is_contiguous() &&
-                (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-                "expert_matvec: w must be a contiguous float32 or bfloat16 [E, out, in] (or MXFP4 with a scale)");
-  }
-  at::Tensor out = at::empty({num_pairs, out_dim}, x.options());
+  const int64_t num_pairs = x.size(0), in = x.size(1);
+  check_weight(w, scale, in, "expert_matvec");
+  at::Tensor out = at::empty({num_pairs, w.size(1)}, x.options());
   const at::Tensor ids = expert.contiguous();
-  const int64_t* ex = ids.data_ptr<int64_t>();
-  // The pairs grouped by expert (a counting sort): group e is order[start[e] .. start[e + 1]).
-  std::vector<int64_t> start(num_experts + 1, 0), order(num_pairs);
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    TORCH_CHECK(ex[p] >= 0 && ex[p] < num_experts, "expert_matvec: expert id ", ex[p], " out of range");
-    ++start[ex[p] + 1];
+  const Groups groups(ids.data_ptr<int64_t>(), num_pairs, w.size(0), "expert_matvec");
+  multiply(w, scale, x.data_ptr<float>(), num_pairs, in, groups, out.data_ptr<float>());
+  return out;
+}
+
+// z [T, D] float32 (strided rows allowed), ids / weights [T, k] (int64 / float32); w1 and w3 [E, I, D] (w3 absent: w1 is both, [E, 2I, D],
+// gate rows first), w2 [E, D, I], each float32, bfloat16 or MXFP4 with its scales -> [T, D].
+at::Tensor expert_mlp(const at::Tensor& z, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w1,
+                      const std::optional<at::Tensor>& w1_scale, const std::optional<at::Tensor>& w3,
+                      const std::optional<at::Tensor>& w3_scale, const at::Tensor& w2,
+                      const std::optional<at::Tensor>& w2_scale, bool situ, double beta, double linear_beta) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && (z.size(1) <= 1 || z.stride(1) == 1),
+              "expert_mlp: z must be float32 rows [T, D] with contiguous values");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == z.size(0) && ids.scalar_type() == at::kLong &&
+              weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "expert_mlp: ids int64 and weights float32 [T, k]");
+  const int64_t tokens = z.size(0), top_k = ids.size(1), dim = z.size(1), pairs = tokens * top_k;
+  check_weight(w1, w1_scale, dim, "expert_mlp");
+  const int64_t inter = w3 ? w1.size(1) : w1.size(1) / 2;
+  if (w3) {
+    check_weight(*w3, w3_scale, dim, "expert_mlp");
+    TORCH_CHECK(w3->sizes() == w1.sizes(), "expert_mlp: w1 and w3 must have one shape");
+  } else {
+    TORCH_CHECK(!w1_scale && w1.size(1) % 2 == 0, "expert_mlp: without w3, w1 is the dense [E, 2I, D] of both");
   }
-  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> next(start.begin(), start.end() - 1), used;
-  for (int64_t p = 0; p < num_pairs; ++p) order[next[ex[p]]++] = p;
-  for (int64_t e = 0; e < num_experts; ++e)
-    if (start[e + 1] > start[e]) used.push_back(e);
-  // Row slices of at most TASK_ROWS, smaller while there would be fewer than 4 tasks per thread.
-  int64_t task_rows = TASK_ROWS;
-  while (task_rows > ROWS && static_cast<int64_t>(used.size()) * ((out_dim + task_rows - 1) / task_rows) <
-                                 4 * at::get_num_threads())
-    task_rows /= 2;
-  const float* xs = x.data_ptr<float>();
+  check_weight(w2, w2_scale, inter, "expert_mlp");
+  TORCH_CHECK(w2.size(0) == w1.size(0) && w2.size(1) == dim, "expert_mlp: w2 must be [E, D, I]");
+
+  const at::Tensor expert = ids.contiguous(), weight = weights.contiguous();
+  const Groups groups(expert.data_ptr<int64_t>(), pairs, w1.size(0), "expert_mlp");
+  std::vector<float> x(pairs * dim), gate_up(pairs * 2 * inter), hidden(pairs * inter), y(pairs * dim);
+  const float* zs = z.data_ptr<float>();
+  for (int64_t p = 0; p < pairs; ++p) std::copy_n(zs + p / top_k * z.stride(0), dim, x.data() + p * dim);  // its token
+  // Each pair's gate and up: rows of [P, I] each (two products), or the halves of rows of [P, 2I] (w1 as both).
+  const float *gate = gate_up.data(), *up = gate_up.data() + pairs * inter;
+  int64_t stride = inter;
+  if (w3) {
+    multiply(w1, w1_scale, x.data(), pairs, dim, groups, gate_up.data());
+    multiply(*w3, w3_scale, x.data(), pairs, dim, groups, gate_up.data() + pairs * inter);
+  } else {
+    multiply(w1, std::nullopt, x.data(), pairs, dim, groups, gate_up.data());
+    up = gate + inter, stride = 2 * inter;
+  }
+  const kestrel_glu::Vec b(static_cast<float>(beta)), lb(static_cast<float>(linear_beta));
+  for (int64_t p = 0; p < pairs; ++p)
+    kestrel_glu::activate_row(gate + p * stride, up + p * stride, hidden.data() + p * inter, inter, situ, b, lb);
+  multiply(w2, w2_scale, hidden.data(), pairs, inter, groups, y.data());
+
+  at::Tensor out = at::zeros({tokens, dim}, z.options());
   float* o = out.data_ptr<float>();
-  if (scale)
-    run_tasks(Mxfp4Rows{w.data_ptr<uint8_t>(), scale->data_ptr<uint8_t>(), in}, split_chunks(xs, num_pairs, in).data(),
-              o, in, out_dim, order, start, used, task_rows);
-  else if (w.scalar_type() == at::kFloat)
-    run_tasks(DenseRows<float>{w.data_ptr<float>(), in}, xs, o, in, out_dim, order, start, used, task_rows);
-  else
-    run_tasks(DenseRows<at::BFloat16>{w.data_ptr<at::BFloat16>(), in}, xs, o, in, out_dim, order, start, used,
-              task_rows);
+  const float* ws = weight.data_ptr<float>();
+  using Vec = Vectorized<float>;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < top_k; ++j) {           // each product rounded, then added: the torch ops' order
+      const Vec w(ws[t * top_k + j]);
+      const float* yp = y.data() + (t * top_k + j) * dim;
+      float* op = o + t * dim;
+      for (int64_t d = 0; d < dim; d += Vec::size()) {
+        const int64_t n = std::min<int64_t>(Vec::size(), dim - d);
+        (Vec::loadu(op + d, n) + Vec::loadu(yp + d, n) * w).store(op + d, n);
+      }
+    }
   return out;
 }
 
@@ -266,6 +352,11 @@ at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("expert_matvec(Tensor x, Tensor expert, Tensor w, Tensor? scale=None) -> Tensor");
+  m.def("expert_mlp(Tensor z, Tensor ids, Tensor weights, Tensor w1, Tensor? w1_scale, Tensor? w3, Tensor? w3_scale, "
+        "Tensor w2, Tensor? w2_scale, bool situ, float beta, float linear_beta) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("expert_matvec", &expert_matvec); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) {
+  m.impl("expert_matvec", &expert_matvec);
+  m.impl("expert_mlp", &expert_mlp);
+}

@@ -3,23 +3,16 @@
 // beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta). gate and up [M, I] may have strided
 // rows (the columns of one fused product).
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 
+#include "glu.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t V = Vec::size();
-
-template <bool SITU>
-inline Vec activation(const Vec& g, const Vec& u, const Vec& beta, const Vec& linear_beta) {
-  const Vec one(1.f), sigmoid = one / (one + g.neg().exp());
-  if constexpr (SITU) return beta * (g / beta).tanh() * sigmoid * (linear_beta * (u / linear_beta).tanh());
-  return g * sigmoid * u;
-}
+using kestrel_glu::Vec;
 
 at::Tensor glu(const at::Tensor& gate, const at::Tensor& up, bool situ, double beta, double linear_beta) {
   TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.scalar_type() == at::kFloat &&
@@ -32,15 +25,8 @@ at::Tensor glu(const at::Tensor& gate, const at::Tensor& up, bool situ, double b
   float* op = out.data_ptr<float>();
   const Vec b(static_cast<float>(beta)), lb(static_cast<float>(linear_beta));
   at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *g = gp + r * g_stride, *u = upp + r * u_stride;
-      float* y = op + r * width;
-      for (int64_t i = 0; i < width; i += V) {
-        const int64_t n = std::min(V, width - i);
-        const Vec a = Vec::loadu(g + i, n), c = Vec::loadu(u + i, n);
-        (situ ? activation<true>(a, c, b, lb) : activation<false>(a, c, b, lb)).store(y + i, n);
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      kestrel_glu::activate_row(gp + r * g_stride, upp + r * u_stride, op + r * width, width, situ, b, lb);
   });
   return out;
 }

@@ -332,7 +332,8 @@ void score_keys(const float* rows, int64_t ld, const float* q, const float* w, i
   }
   Vec total = zero;
   const Vec scale_v(scale);
-  for (int64_t h = 0; h < heads; ++h) total = at::vec::fmadd(at::vec::maximum(acc[h], zero) * scale_v, Vec(w[h]), total);
+  for (int64_t h = 0; h < heads; ++h)
+    total = at::vec::fmadd(at::vec::maximum(acc[h], zero) * scale_v, Vec(w[h]), total);
   total.store(scores);
 }
 

@@ -299,24 +299,16 @@ def moe_experts_by_pairs(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 def moe_experts_native(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
                        activation: GLUActivation) -> torch.Tensor:
     """moe_experts for float32, bfloat16 or MXFP4 experts under float32 activations, by the CPU kernel
-    kestrel_cpu::expert_matvec (kestrel.ops.cpu): each expert's rows read in place once for all of its pairs (MXFP4
-    ones decoded in registers), multiplied in float32. Same shapes as moe_experts."""
+    kestrel_cpu::expert_mlp (kestrel.ops.cpu): the experts' three products as kestrel_cpu::expert_matvec computes
+    them (each expert's rows read in place once for all of its pairs, MXFP4 ones decoded in registers, multiplied in
+    float32), the activation between them and the weighted sum, in one call. Same shapes as moe_experts."""
     if not torch.compiler.is_dynamo_compiling() and not cpu.load():     # builds the kernels on first use
         raise RuntimeError("kestrel's CPU kernels could not be built here (the log says why).")
-    num_tokens, top_k = ids.shape
-    expert = ids.flatten()                                                         # [P]
-    x = z.repeat_interleave(top_k, 0)                                              # [P, D]: pair p's token
-
-    def matvec(rows: torch.Tensor, name: str) -> torch.Tensor:
-        return torch.ops.kestrel_cpu.expert_matvec(rows, expert, getattr(experts, name),
-                                                   getattr(experts, f"{name}_scale", None))
-
-    if experts.w13 is not None:
-        gate, up = matvec(x, "w13").chunk(2, dim=-1)                               # [P, I] each
-    else:
-        gate, up = matvec(x, "w1"), matvec(x, "w3")
-    y = matvec(activation(gate, up).contiguous(), "w2")                            # [P, D]
-    return (y.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(1)
+    fused = experts.w13 is not None
+    return torch.ops.kestrel_cpu.expert_mlp(
+        z, ids, weights, experts.w13 if fused else experts.w1, None if fused else experts.w1_scale,
+        None if fused else experts.w3, None if fused else experts.w3_scale, experts.w2, experts.w2_scale,
+        activation.kind == SITU, activation.beta, activation.linear_beta)
 
 
 def _native(z: torch.Tensor, pairs: int, experts: ExpertWeights) -> bool:

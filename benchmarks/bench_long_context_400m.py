@@ -160,9 +160,9 @@ def growth_lines(kestrel: dict, llama: dict) -> list[str]:
             f"{span(k, 'prefill_tok_s')}, llama.cpp's {span(ll, 'prefill_tok_s')}. At {int(first) // 1024}K llama.cpp "
             f"decodes {ll[first]['decode_tok_s'] / k[first]['decode_tok_s']:.1f}x kestrel's rate: kestrel's eager "
             "step on this model (issue 57), not the context. Past 2,048 tokens each of kestrel's prompt tokens "
-            "attends to its own 2,048 selected latents, which the paged sparse path gathers through torch indexing "
-            "(`ops.torch.paged_attention._sparse_decode`: 2.4 MB per token and layer here, read and copied several "
-            "times), so its prefill drops from 1K to 8K before the indexer's scan grows."]
+            "attends to its own 2,048 selected latents (`kestrel_cpu::paged_mla`, each selected row read in place "
+            "once per token for all heads) where a 1K prompt's attend to fewer, so its prefill drops from 1K to 8K; "
+            "beyond, what grows is the indexer's scoring of every earlier key."]
 
 
 def main() -> None:

@@ -288,8 +288,8 @@ at::Tensor expert_matvec(const at::Tensor& x, const at::Tensor& expert, const at
   return out;
 }
 
-// z [T, D] float32 (strided rows allowed), ids / weights [T, k] (int64 / float32); w1 and w3 [E, I, D] (w3 absent: w1 is both, [E, 2I, D],
-// gate rows first), w2 [E, D, I], each float32, bfloat16 or MXFP4 with its scales -> [T, D].
+// z [T, D] float32 (strided rows allowed), ids / weights [T, k] (int64 / float32); w1 and w3 [E, I, D] (w3 absent:
+// w1 is both, [E, 2I, D], gate rows first), w2 [E, D, I], each float32, bfloat16 or MXFP4 with its scales -> [T, D].
 at::Tensor expert_mlp(const at::Tensor& z, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w1,
                       const std::optional<at::Tensor>& w1_scale, const std::optional<at::Tensor>& w3,
                       const std::optional<at::Tensor>& w3_scale, const at::Tensor& w2,

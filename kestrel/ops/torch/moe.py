@@ -304,9 +304,9 @@ def moe_experts_native(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     float32), the activation between them and the weighted sum, in one call. Same shapes as moe_experts."""
     if not torch.compiler.is_dynamo_compiling() and not cpu.load():     # builds the kernels on first use
         raise RuntimeError("kestrel's CPU kernels could not be built here (the log says why).")
-    fused = experts.w13 is not None
+    fused, rows = experts.w13 is not None, z if z.stride(-1) == 1 else z.contiguous()
     return torch.ops.kestrel_cpu.expert_mlp(
-        z, ids, weights, experts.w13 if fused else experts.w1, None if fused else experts.w1_scale,
+        rows, ids, weights, experts.w13 if fused else experts.w1, None if fused else experts.w1_scale,
         None if fused else experts.w3, None if fused else experts.w3_scale, experts.w2, experts.w2_scale,
         activation.kind == SITU, activation.beta, activation.linear_beta)
 

@@ -93,10 +93,22 @@ def test_matches_the_per_token_formula(tokens: int, form: str, activation: str, 
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
+KERNEL_FORMS = [*((form, dtype) for form in DENSE_FORMS for dtype in (torch.float32, torch.bfloat16)),
+                ("mxfp4", torch.uint8)]
+
+
+def kernel_experts(form: str, weight_dtype: torch.dtype, generator: torch.Generator) -> ExpertWeights:
+    """make_experts of `form`, dense ones in weight_dtype (a fused copy's w1 and w3 the halves of its w13 again)."""
+    experts = make_experts(generator=generator, **FORMS[form])
+    if experts.mxfp4:
+        return experts
+    w1, w3, w2, w13 = (None if w is None else w.to(weight_dtype) for w in
+                       (experts.w1, experts.w3, experts.w2, experts.w13))
+    return ExpertWeights(*w13.chunk(2, dim=1), w2, w13=w13) if w13 is not None else ExpertWeights(w1, w3, w2)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 33])
-@pytest.mark.parametrize("form, weight_dtype", [*((form, dtype) for form in DENSE_FORMS
-                                                  for dtype in (torch.float32, torch.bfloat16)),
-                                                ("mxfp4", torch.uint8)])
+@pytest.mark.parametrize("form, weight_dtype", KERNEL_FORMS)
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, weight_dtype: torch.dtype,
                                                       activation: str) -> None:
@@ -104,12 +116,7 @@ def test_the_cpu_kernel_matches_the_per_token_formula(tokens: int, form: str, we
     ones multiplied in float32 and MXFP4 ones decoded as they are read, against the formula over the same
     weights."""
     generator = torch.Generator().manual_seed(tokens)
-    experts = make_experts(generator=generator, **FORMS[form])
-    if not experts.mxfp4:
-        experts = ExpertWeights(*(None if w is None else w.to(weight_dtype) for w in
-                                  (experts.w1, experts.w3, experts.w2, None, None, None, experts.w13)))
-    if experts.w13 is not None:
-        experts = ExpertWeights(*experts.w13.chunk(2, dim=1), experts.w2, w13=experts.w13)
+    experts = kernel_experts(form, weight_dtype, generator)
     z = torch.randn(tokens, DIM, generator=generator)
     ids, weights = routing(tokens, generator)
     expected = per_token(z, ids, weights, experts, ACTIVATIONS[activation])
@@ -135,9 +142,7 @@ def composed(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts:
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 33])
-@pytest.mark.parametrize("form, weight_dtype", [*((form, dtype) for form in DENSE_FORMS
-                                                  for dtype in (torch.float32, torch.bfloat16)),
-                                                ("mxfp4", torch.uint8)])
+@pytest.mark.parametrize("form, weight_dtype", KERNEL_FORMS)
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 def test_expert_mlp_equals_the_ops_it_fuses(tokens: int, form: str, weight_dtype: torch.dtype,
                                             activation: str) -> None:
@@ -146,10 +151,7 @@ def test_expert_mlp_equals_the_ops_it_fuses(tokens: int, form: str, weight_dtype
     a fused projection); registered soundly (torch.library.opcheck)."""
     assert cpu.load()
     generator = torch.Generator().manual_seed(tokens + 1)
-    experts = make_experts(generator=generator, **FORMS[form])
-    if not experts.mxfp4:
-        experts = ExpertWeights(*(None if w is None else w.to(weight_dtype) for w in
-                                  (experts.w1, experts.w3, experts.w2, None, None, None, experts.w13)))
+    experts = kernel_experts(form, weight_dtype, generator)
     z = torch.randn(tokens, DIM + 5, generator=generator)[:, 2:DIM + 2]
     ids, weights = routing(tokens, generator)
     expected = composed(z.contiguous(), ids, weights, experts, ACTIVATIONS[activation])

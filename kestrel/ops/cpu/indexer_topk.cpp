@@ -180,10 +180,6 @@ struct Keys {
   const int64_t* table;
   int64_t page_size, dim;
 
-  const Key* row(int64_t position) const {
-    return data + (table[position / page_size] * page_size + position % page_size) * dim;
-  }
-
   // Positions first..first + n - 1 as float rows out [n, D]: scaled (FP8), then rounded to the query's dtype
   // (Round), as `read_rows` dequantizes them.
   template <typename Round>
@@ -199,13 +195,17 @@ struct Keys {
     }
   }
 
-  // Float rows first..first + n - 1 where they lie in one page and need no conversion, else null.
-  template <typename Round>
-  const float* in_place(int64_t first, int64_t n) const {
+  // Positions first..first + n - 1 (n <= GROUP) as float rows [n, D]: in place where they are a whole GROUP of
+  // float keys in one page that need no rounding (a reader may then read all GROUP rows), else converted into
+  // buffer [GROUP, D].
+  template <typename Round, int64_t GROUP>
+  const float* rows(int64_t first, int64_t n, float* buffer) const {
     if constexpr (std::is_same_v<Key, float> && std::is_same_v<Round, float>) {
-      if (first % page_size + n <= page_size) return row(first);
+      if (n == GROUP && first % page_size + n <= page_size)
+        return reinterpret_cast<const float*>(data) + (table[first / page_size] * page_size + first % page_size) * dim;
     }
-    return nullptr;
+    convert<Round>(first, n, buffer);
+    return buffer;
   }
 
   // Asks for the rows of positions first..first + n - 1 ahead of their use. Inlined: GCC finds a function of
@@ -220,19 +220,14 @@ struct Keys {
   }
 };
 
-// The positions [first, last) as floats into kt [D, KEY_BLOCK], 16 keys at a time (rows [16, D] converted unless
-// read in place), transposed V x V.
+// The positions [first, last) as floats into kt [D, KEY_BLOCK], 16 keys at a time (Keys::rows), transposed V x V.
 template <typename Key, typename Round>
 void load_block(const Keys<Key>& keys, int64_t first, int64_t last, float* rows, float* kt) {
   const int64_t dim = keys.dim;
   for (int64_t s0 = first; s0 < last; s0 += 16) {
     const int64_t n = std::min<int64_t>(16, last - s0);
     keys.prefetch(s0 + 16, std::max<int64_t>(0, std::min<int64_t>(16, last - s0 - 16)));
-    const float* source = n == 16 ? keys.template in_place<Round>(s0, 16) : nullptr;
-    if (!source) {
-      keys.template convert<Round>(s0, n, rows);
-      source = rows;
-    }
+    const float* source = keys.template rows<Round, 16>(s0, n, rows);
     float* column = kt + (s0 - first);
     int64_t d0 = 0;
     if (n == 16)
@@ -352,12 +347,8 @@ void scan_one(const Problem& p, const Tile& tile, int64_t lo, int64_t hi, Best& 
   for (int64_t s0 = lo; s0 < hi; s0 += V) {
     const int64_t n = std::min<int64_t>(V, hi - s0);
     keys.prefetch(s0 + AHEAD, std::max<int64_t>(0, std::min<int64_t>(V, hi - s0 - AHEAD)));
-    const float* source = n == V ? keys.template in_place<Round>(s0, V) : nullptr;
-    if (!source) {
-      keys.template convert<Round>(s0, n, rows.data());
-      source = rows.data();
-    }
-    score_keys(source, p.dim, q, w, p.heads, p.dim, scale, acc.data(), scores);
+    score_keys(keys.template rows<Round, V>(s0, n, rows.data()), p.dim, q, w, p.heads, p.dim, scale, acc.data(),
+               scores);
     best.offer_all(scores, n, s0);
   }
 }

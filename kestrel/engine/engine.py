@@ -117,10 +117,13 @@ class LLMEngine:
         slots, ops = self.plan.num_slots, journals[0][1]
         decode_graphs = None
         self.background = None
+        # the KDA chunk terms compile only where kestrel's CPU kernel does not compute them (--disable-cpu-kernels)
+        compiled_terms = compiled and not self.ranks and not (device.type == "cpu" and cpu.available())
         if compiled and not self.ranks:
             use_compile_cache()
             if mode == "background":
                 self.background = BackgroundCompiler()
+            if mode == "background" and compiled_terms:
                 config = self.config
                 self.background.ask(PREFILL_TERMS, lambda: compile_chunk_terms("inductor", config.kda_num_heads,
                                                                              config.kda_head_dim, config.kda_head_dim))
@@ -143,7 +146,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self.runner = ModelRunner(self.model, self.cache, page_table, ops, decode_graphs, self.ranks, journals[1:],
-                                  prefill_compile="inductor" if compiled and not self.ranks else None,
+                                  prefill_compile="inductor" if compiled_terms else None,
                                   drafter=self.drafter, background=self.background, balancer=shard.balancer)
         self.requests: dict[str, Request] = {}
         self.stalled = False          # the last step found nothing to run: only a new request or an abort helps

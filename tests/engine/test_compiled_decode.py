@@ -59,9 +59,10 @@ def test_compiled_steps_decode_the_eager_tokens(model, args, kimi_linear_dir):
     assert_idle(llm.engine.scheduler)
 
 
-def test_compiled_prefill_chunk_terms_give_the_eager_logprobs():
-    """Prompts of 65 to 300 tokens (2 to 5 KDA chunks, one compiled graph) prefilled with --enable-torch-compile,
-    whose KDA chunk terms inductor compiles: every prompt position's logprob and the first token as eager."""
+def test_compiled_prefill_chunk_terms_give_the_eager_logprobs(torch_paths):
+    """Prompts of 65 to 300 tokens (2 to 5 KDA chunks, one compiled graph) prefilled with --enable-torch-compile
+    and the CPU kernels off, where inductor compiles the KDA chunk terms: every prompt position's logprob and the
+    first token as eager."""
     gen = torch.Generator().manual_seed(11)
     prompts = [{"prompt_token_ids": torch.randint(3, 4000, (n,), generator=gen).tolist()} for n in (65, 130, 300)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)

@@ -24,7 +24,7 @@ from kestrel.layers.cache import HybridCache
 from kestrel.layers.linear import Linear, column_major_pays
 from kestrel.layers.mla import AUTO, PLAIN, GatedMLA
 from kestrel.layers.moe import hold_dense_experts, pack_onednn_experts
-from kestrel.ops import backend
+from kestrel.ops import backend, cpu
 
 PAGE = 4
 SLOTS, PAGES = 5, 24                 # the last of each is the scratch slot and page
@@ -204,7 +204,6 @@ def test_the_default_eager_step_runs_on_the_cpu_kernels_within_float32s_bound(pr
     padded to 4, for every family member (Kimi-Linear's dense experts, K3's and K3.1's MXFP4 ones); and the kernels
     run only when enabled. (The fp8 cache rounds each written row to 3 mantissa bits, outside float32's bound: the
     engine's fp8 tests, tests/engine/test_engine.py, run on the kernels by default.)"""
-    from kestrel.ops import cpu
 
     backend.set_backend("torch")
     # enough experts that the float64 step multiplies each in use alone (torch's grouped GEMM has no float64)
@@ -407,7 +406,8 @@ def test_cuda_graph_and_torch_compile_flags():
 def test_the_engine_compiles_cpu_decode_steps_when_asked(model_dir):
     """--enable-torch-compile on the CPU: decode steps of up to --torch-compile-max-bs sequences go through a
     torch.compile'd step (compiled on first use: tests/engine/test_compiled_decode.py runs it), with the scratch slot
-    and page that padding needs, and prefills compile their KDA chunk terms; off by default. The compiled engine
+    and page that padding needs, and prefills compile their KDA chunk terms where the CPU kernel does not compute
+    them (--disable-cpu-kernels); off by default. The compiled engine
     keeps its weights row-major (single rows multiply as reductions), the eager one holds column-major those that
     column_major_pays names."""
     eager = LLM(str(model_dir), page_size=4).engine
@@ -417,7 +417,12 @@ def test_the_engine_compiles_cpu_decode_steps_when_asked(model_dir):
         held = [m.weight.stride(0) == 1 for m in e.model.modules()
                 if isinstance(m, Linear) and column_major_pays(m.weight)]
         assert held and all(h == column_major for h in held)
-    assert engine.runner.prefill_compile == "inductor"
+    assert engine.runner.prefill_compile is None
+    try:
+        without_kernels = LLM(str(model_dir), page_size=4, enable_torch_compile=True, disable_cpu_kernels=True)
+        assert without_kernels.engine.runner.prefill_compile == "inductor"
+    finally:
+        cpu.set_enabled(True)                         # --disable-cpu-kernels is process-wide
     graphs, pools = engine.runner.decode_graphs, engine.scheduler
     assert graphs.sizes == [1, 2, 4, 8] and graphs.forward is not graphs._forward and not graphs.capture
     assert graphs.scratch_slot == pools.state_pool.num_slots

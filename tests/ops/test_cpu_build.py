@@ -48,7 +48,7 @@ def test_the_avx2_build_computes_the_same() -> None:
     tests = Path(__file__).parent
     result = subprocess.run([sys.executable, "-c", AVX2_RUN, str(tests / "test_moe_experts.py"), "-k",
                              "expert_matvec or expert_mlp or cpu_kernel", str(tests / "test_kda_decode_step.py"),
-                             str(tests / "test_indexer_topk.py"),
+                             str(tests / "test_indexer_topk.py"), str(tests / "test_kda_chunk_terms.py"),
                              str(tests / "test_linear_rows.py"), str(tests / "test_linear_dots.py"),
                              str(tests / "test_attn_res_kernel.py"), str(tests / "test_paged_mla_kernel.py"),
                              str(tests / "test_norm_and_glu_kernels.py"),

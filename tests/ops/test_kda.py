@@ -82,14 +82,17 @@ def sequence_inputs(inputs: dict, names: tuple[str, ...] = ("q", "k", "v", "g", 
     return [inputs[name] for name in names]
 
 
-@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+@pytest.mark.parametrize("op", ["chunk", "chunk, torch paths", "recurrent"])
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("lengths", [[length] for length in LENGTHS_SINGLE] + [LENGTHS_VARLEN],
                          ids=lambda lengths: "-".join(map(str, lengths)))
-def test_matches_naive_recurrent(op: str, gate: str, with_state: bool, lengths: list[int]) -> None:
+def test_matches_naive_recurrent(op: str, gate: str, with_state: bool, lengths: list[int], request) -> None:
+    """chunk_kda (its chunk terms from the CPU kernel, and with the kernels off from torch) and recurrent_kda."""
+    if op == "chunk, torch paths":
+        request.getfixturevalue("torch_paths")
     inputs = make_inputs(lengths, gate, initial_state=with_state)
-    kda = chunk_kda if op == "chunk" else recurrent_kda
+    kda = recurrent_kda if op == "recurrent" else chunk_kda
     o, final, _ = kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"])
     expected_o, expected_final = naive_per_sequence(inputs)
     assert o.dtype == torch.float32 and final.dtype == torch.float32
@@ -106,8 +109,11 @@ def test_chunk_matches_naive_chunk(gate: str) -> None:
     assert_close_to(final, expected_final)
 
 
+@pytest.mark.parametrize("paths", ["kernel", "torch"])
 @pytest.mark.parametrize("chunk_size", [1, 16, 24, 100, 128])
-def test_any_chunk_size_matches_naive(chunk_size: int) -> None:
+def test_any_chunk_size_matches_naive(chunk_size: int, paths: str, request) -> None:
+    if paths == "torch":
+        request.getfixturevalue("torch_paths")
     inputs = make_inputs(LENGTHS_VARLEN, "unbounded")
     o, final, _ = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"], chunk_size=chunk_size)
     expected_o, expected_final = naive_per_sequence(inputs)
@@ -127,6 +133,9 @@ def test_extreme_decay_stays_finite_and_matches() -> None:
     (o.sum() + final.sum()).backward()
     assert torch.isfinite(g.grad).all()
     expected_o, expected_final = naive_per_sequence(inputs)
+    assert_close_to(o, expected_o)
+    assert_close_to(final, expected_final)
+    o, final, _ = chunk_kda(*sequence_inputs(inputs), initial_state=inputs["initial_state"])   # the CPU kernel's
     assert_close_to(o, expected_o)
     assert_close_to(final, expected_final)
 
@@ -308,11 +317,11 @@ def test_uniform_steps_return_outputs_in_vs_dtype() -> None:
 
 
 @pytest.mark.parametrize("gate", GATES)
-def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch) -> None:
-    """Within compiled_chunk_terms the intra-chunk terms come from a torch.compile'd graph (aot_eager here: the
-    graph inductor compiles, dynamic in the number of chunks); the outputs, final states and chunk states still
-    match fla's naive recurrence, for 8 and then 2 chunks, and a batch of one chunk or one that wants gradients
-    stays eager."""
+def test_compiled_chunk_terms_match_naive_recurrent(gate: str, monkeypatch, torch_paths) -> None:
+    """Within compiled_chunk_terms, with the CPU kernels off, the intra-chunk terms come from a torch.compile'd graph
+    (aot_eager here: the graph inductor compiles, dynamic in the number of chunks); the outputs, final states and
+    chunk states still match fla's naive recurrence, for 8 and then 2 chunks, and a batch of one chunk or one that
+    wants gradients stays eager."""
     compiled_calls = []
     compiled = kda_ops._compiled_intra_chunk_terms
 

@@ -14,6 +14,9 @@
   norm -> o [N, H, D], the conv and recurrent states updated in place in conv_pool [slots, W-1, 3*H*D] and
   state_pool [slots, H, D, D] at slots [N] (read as zeros where use_state [N] is false); each state crosses memory
   once each way. kestrel.ops.torch.kda_decode runs a decode step on it.
+- `kda_chunk_terms(q, k, v, g, beta)` (kda_chunk_terms.cpp): the intra-chunk terms of KDA's chunked prefill for B
+  chunks of C tokens and H heads, float32 q (scaled), k, g [B, H, C, K], v [B, H, C, V], beta [B, H, C] ->
+  kestrel.ops.torch.kda.IntraChunkTerms' six tensors, one task per chunk and head; chunk_kda takes them from it.
 - `indexer_topk(q, weights, keys, key_scales, page_table, page_size, seq_index, positions, topk)`
   (indexer_topk.cpp): the lightning indexer's topk positions [T, topk] int64 (best first, -1 past the visible keys)
   for T query tokens, q [T, H, D], weights [T, H] fp32, scored against the paged index-key cache (keys [R, D] in
@@ -143,6 +146,12 @@ def _load() -> bool:
     @torch.library.register_fake("kestrel_cpu::paged_mla")
     def _(q, values, scales, page_table, page_size, seq_index, positions, scale, value_dim, selected):
         return q.new_empty(q.shape[0], q.shape[1], value_dim)
+
+    @torch.library.register_fake("kestrel_cpu::kda_chunk_terms")
+    def _(q, k, v, g, beta):
+        chunks = q.shape[:3]
+        return (q.new_empty(q.shape), q.new_empty(*chunks, q.shape[2]), q.new_empty(q.shape), v.new_empty(v.shape),
+                q.new_empty(q.shape), q.new_empty(*q.shape[:2], q.shape[3]))
 
     @torch.library.register_fake("kestrel_cpu::kda_decode_step_")
     def _(qkv, gate_raw, beta_raw, out_gate, conv_weight, A_log, dt_bias, norm_weight, lower_bound, norm_eps,

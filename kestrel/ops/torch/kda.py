@@ -18,7 +18,9 @@ key-key and query-key scores of a chunk are built by halving it recursively: bet
 halves, exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j) with m the midpoint, both factors <= 1, so
 each lower-left quarter is one matrix product; (I + A)^-1 is inverted by the same halving.
 Decay factors and couplings too small to matter in float32 are set to exactly zero, which keeps
-subnormal numbers (that CPUs multiply up to 20x slower) out of the matrix products.
+subnormal numbers (that CPUs multiply up to 20x slower) out of the matrix products. On the CPU, in float32 and
+without gradients, the intra-chunk terms come from one C++ kernel, kestrel_cpu::kda_chunk_terms (kestrel.ops.cpu):
+the same quantities, rows scored in blocks against one product of decayed keys, (I + A) solved by substitution.
 
 Computation is in float32 (float64 when an input is float64, e.g. for gradient checks); `o` comes
 back in v's dtype. Everything is differentiable with respect to q, k, v, g, beta and initial_state.
@@ -36,6 +38,8 @@ from functools import cache, lru_cache, reduce
 from itertools import accumulate
 
 import torch
+
+from .. import cpu
 
 log = logging.getLogger("kestrel")
 
@@ -110,7 +114,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 @contextmanager
 def compiled_chunk_terms(backend: str | None = "inductor") -> Iterator[None]:
     """Within it, chunk_kda computes its intra-chunk terms (everything but the state carried from chunk to chunk)
-    as one torch.compile'd graph of the given backend, where no gradient is wanted and there are two chunks or more;
+    as one torch.compile'd graph of the given backend, where no gradient is wanted, there are two chunks or more and
+    kestrel's CPU kernel does not compute them (--disable-cpu-kernels);
     None keeps them eager. Inductor fuses the recursive halving's ~150 small ops into a few C++ loops, dynamic in the
     number of chunks (one compile per shape of heads, ~20-40 s on two cores, then cached on disk). Measured on two
     cores, per layer: 4 heads of 48 (the bundled model), 1.8 -> 0.5 ms at 127 tokens, 6.3 -> 1.8 at 512; 8 heads of
@@ -124,9 +129,12 @@ def compiled_chunk_terms(backend: str | None = "inductor") -> Iterator[None]:
 
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
                  ) -> IntraChunkTerms:
-    """_intra_chunk_terms, compiled where compiled_chunk_terms asks for it."""
-    backend = _terms_backend.get()
+    """_intra_chunk_terms: from kestrel's CPU kernel (kestrel_cpu::kda_chunk_terms) for float32 CPU tensors where
+    no gradient is wanted, else compiled where compiled_chunk_terms asks for it."""
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
+    if not wants_grad and q.device.type == "cpu" and q.dtype == torch.float32 and cpu.available():
+        return IntraChunkTerms(*torch.ops.kestrel_cpu.kda_chunk_terms(q, k, v, g, beta))
+    backend = _terms_backend.get()
     if backend is None or backend in _failed_backends or wants_grad or q.shape[0] < 2:
         return _intra_chunk_terms(q, k, v, g, beta)
     for x in (q, k, v, g, beta):

@@ -11,7 +11,8 @@ Three servers per model, one at a time, each a separate process on loopback with
 - `kestrel serve` with no flag and no OMP_NUM_THREADS (eager steps on kestrel's CPU kernels, torch on its default
   thread count: one per core);
 - `kestrel serve --disable-cpu-kernels` (torch's kernels only: what the defaults were before them).
-Each is timed from launch to its first answer (a 1-token completion), then driven by one client
+Each is timed from launch to its first answer (a 1-token completion; kestrel's CPU kernels built before, as a
+first start on a machine builds them once, ~1-2 minutes: kestrel.ops.cpu.load), then driven by one client
 (bench_compile_defaults.window: streamed /v1/completions, 128-token prompts, 64 greedy tokens, ignore_eos, each of C
 clients sending its next request as its last ends) for WINDOW_S seconds at each concurrency C in CONCURRENCY: output
 tok/s, TTFT p50/p99, inter-token latency p50/p99 and the longest gap.
@@ -47,6 +48,7 @@ from benchmarks.bench_llamacpp import (LlamaCpp, bundled_as_k3, convert, dense_c
                                        random_437m, read_tensors, run)
 from benchmarks.report import machine, markdown_table, write_section  # noqa: E402
 from kestrel.cookbook.hardware import measure_cpu  # noqa: E402
+from kestrel.ops import cpu  # noqa: E402
 
 COMMAND = ".venv/bin/python benchmarks/bench_serve_llamacpp.py"
 THREADS = 2
@@ -175,6 +177,7 @@ def main() -> None:
     llama = ensure_llamacpp(args.cache_dir)
     server = ensure_llama_server(llama)
     bandwidth = measure_cpu(THREADS).bandwidth
+    cpu.load()                                  # the servers' kernels: built once per machine, not in their launch
     with tempfile.TemporaryDirectory() as folder:
         results = {key: measure_model(llama, server, key, Path(folder), args.window) for key in keys}
     print(json.dumps(results, indent=1, default=str))

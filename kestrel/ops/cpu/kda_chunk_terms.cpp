@@ -6,10 +6,11 @@
 //   attn_qk[i, j] = sum_d q[i,d] k[j,d] exp(G[i,d] - G[j,d]) for j <= i, else 0;  attn_kk alike with k's rows, j < i
 //   A[i, j] = beta_i attn_kk[i, j];  (I + A) [W | U] = diag(beta) [k exp(G) | v], solved by forward substitution
 //   q_decayed = q exp(G);  keys_to_end = k exp(G_last - G);  decay_total = exp(G_last)
-// Every exponent is a difference G_i - G_j with i after j, so it is <= 0 and nothing overflows. Rows are scored in
-// blocks of one vector of tokens: within its block a row takes the elementwise exponents (keys and G transposed, a
-// vector of j per step); against the earlier blocks, one product of the block's rows decayed to its first token r
-// and the earlier keys decayed from r, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1.
+// Rows are scored in blocks of one vector of tokens (8 with AVX2, 16 with AVX-512) by one product, since
+// exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) for the block's first token r: its rows decayed to r (<= 1) against
+// the keys j < r scaled by exp(G_r - G_j) <= 1 and its own keys by exp(G_r - G_j) <= exp(MAX_SPAN), so nothing
+// overflows. A block whose decay spans more than MAX_SPAN (Kimi-Linear's unbounded gate) scores its own keys through
+// the elementwise exponents instead (keys and G transposed, a vector of j per step).
 // As in the torch terms, decay factors below exp(-30) and couplings below 1e-15 in magnitude are exactly zero (no
 // subnormal numbers in the products). exp is ATen's exp_u20 (within 20 ulp of float32's).
 #include <ATen/Parallel.h>

@@ -23,11 +23,13 @@ $(VENV)/.test: pyproject.toml | $(PY)
 serve: $(VENV)/.runtime
 	$(KESTREL) serve
 
-# The cookbook page is tested in a real headless browser (Debian's chromium, installed when missing). Each test
-# runs on one torch thread (tests/conftest.py), so two workers use both cores: 240-312 s on 2 cores against 508-570
-# s in one process.
+# kestrel's CPU kernels are built once before the tests (~2 minutes on a fresh machine), not by every test process
+# that needs them at once. The cookbook page is tested in a real headless browser (Debian's chromium, installed
+# when missing). Each test runs on one torch thread (tests/conftest.py), so two workers use both cores: 240-312 s
+# on 2 cores against 508-570 s in one process.
 test: $(VENV)/.test
 	sh tools/install_browser.sh
+	$(PY) -c "import kestrel.ops.cpu as cpu; cpu.load()"
 	$(PY) -m pytest -q -n 2
 
 # Parses every SGLang, vLLM and SGLang-router command the cookbook emits with the engines' own argument parsers

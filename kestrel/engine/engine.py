@@ -123,10 +123,10 @@ class LLMEngine:
             use_compile_cache()
             if mode == "background":
                 self.background = BackgroundCompiler()
-            if mode == "background" and compiled_terms:
-                config = self.config
-                self.background.ask(PREFILL_TERMS, lambda: compile_chunk_terms("inductor", config.kda_num_heads,
-                                                                             config.kda_head_dim, config.kda_head_dim))
+                if compiled_terms:
+                    config = self.config
+                    self.background.ask(PREFILL_TERMS, lambda: compile_chunk_terms(
+                        "inductor", config.kda_num_heads, config.kda_head_dim, config.kda_head_dim))
         if shard.graphs:
             max_bs = min(args.torch_compile_max_bs if compiled else args.cuda_graph_max_bs,
                          self.plan.max_running_requests)

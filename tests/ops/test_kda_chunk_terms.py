@@ -86,9 +86,10 @@ def test_a_chunks_terms_are_the_same_in_any_batch_and_on_any_threads(gate: str) 
 def test_chunk_kda_takes_the_kernel_for_float32_without_gradients_only(monkeypatch) -> None:
     calls, kernel = [], torch.ops.kestrel_cpu.kda_chunk_terms
     monkeypatch.setattr(torch.ops.kestrel_cpu, "kda_chunk_terms", lambda *a: calls.append(1) or kernel(*a))
-    tokens = 70
-    q, k = (F.normalize(torch.randn(tokens, 2, 16), dim=-1) for _ in range(2))
-    v, g, beta = torch.randn(tokens, 2, 8), -torch.rand(tokens, 2, 16), torch.rand(tokens, 2)
+    tokens, generator = 70, torch.Generator().manual_seed(2)
+    q, k = (F.normalize(torch.randn(tokens, 2, 16, generator=generator), dim=-1) for _ in range(2))
+    v, g, beta = (torch.randn(tokens, 2, 8, generator=generator), -torch.rand(tokens, 2, 16, generator=generator),
+                  torch.rand(tokens, 2, generator=generator))
     lengths = torch.tensor([0, 30, tokens])
     kda.chunk_kda(q, k, v, g, beta, lengths)
     assert len(calls) == 1

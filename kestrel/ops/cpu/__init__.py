@@ -50,9 +50,10 @@
 too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets (-ffp-contract=off
 among them: each kernel rounds where its source says, with fused multiply-adds where it calls them), into
 `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
-by processes (~55 s on 2 cores, once; a build removes all but the KEEP most recently used), and tags inductor's
-cache keys with the library's, so that no graph compiled against other kernels calls these. Where no ISA is found
-or the build fails it returns False (logged once), and callers take their torch paths, which compute the same.
+by processes (built once, the sources compiled at once on every core: ~75 s on 2 cores; a build removes all but the
+KEEP most recently used), and tags inductor's cache keys with the library's, so that no graph compiled against other
+kernels calls these. Where no ISA is found or the build fails it returns False (logged once), and callers take their
+torch paths, which compute the same.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ import hashlib
 import logging
 import os
 import subprocess
+import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -188,11 +191,13 @@ def _build(isa_flags: list[str]) -> Path:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libraries = library_paths()
-    flags = ["-shared", "-fPIC", "-std=c++20", "-O3", "-ffp-contract=off", "-fopenmp", *isa_flags,
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *(f"-I{p}" for p in include_paths()),
-             *(f"-L{p}" for p in libraries), *(f"-Wl,-rpath,{p}" for p in libraries), "-lc10", "-ltorch_cpu"]
+    compile_flags = ["-fPIC", "-std=c++20", "-O3", "-ffp-contract=off", "-fopenmp", *isa_flags,
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     *(f"-I{p}" for p in include_paths())]
+    link_flags = ["-shared", "-fopenmp", *(f"-L{p}" for p in libraries), *(f"-Wl,-rpath,{p}" for p in libraries),
+                  "-lc10", "-ltorch_cpu"]
     key = hashlib.sha256(b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
-                         + " ".join([torch.__version__, *flags]).encode()).hexdigest()[:16]
+                         + " ".join([torch.__version__, *compile_flags, *link_flags]).encode()).hexdigest()[:16]
     target = CACHE / f"kestrel_cpu-{key}.so"
     if target.exists():
         with contextlib.suppress(OSError):      # marks it used (for prune); a read-only shared cache is fine
@@ -200,12 +205,24 @@ def _build(isa_flags: list[str]) -> Path:
     else:
         CACHE.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        compiler = os.environ.get("CXX", "c++")
-        subprocess.run([compiler, *map(str, SOURCES), "-o", str(partial), *flags], check=True, capture_output=True,
-                       text=True)
+        _compile(SOURCES, partial, compile_flags, link_flags)
         partial.replace(target)
         prune(CACHE, KEEP)
     return target
+
+
+def _compile(sources: list[Path], library: Path, compile_flags: list[str], link_flags: list[str]) -> None:
+    """Compile each source to an object, one compiler per core at once, and link them into library."""
+    compiler = os.environ.get("CXX", "c++")
+
+    def run(arguments: list[str]) -> None:
+        subprocess.run([compiler, *arguments], check=True, capture_output=True, text=True)
+
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder, \
+            ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+        objects = [str(Path(folder) / f"{source.stem}.o") for source in sources]
+        list(pool.map(lambda source, obj: run(["-c", str(source), "-o", obj, *compile_flags]), sources, objects))
+        run([*objects, "-o", str(library), *link_flags])
 
 
 def prune(cache: Path, keep: int) -> None:

@@ -39,6 +39,9 @@ HELP = {
     "max_prompt_tokens": "longer prompts are refused (default: the context length)",
     "chunked_prefill_size": "most prompt tokens of one request per step",
     "max_prefill_tokens": "most tokens (prefill and decode) in one step",
+    "max_decode_stall_ms": "while sequences decode, a step takes only the prompt tokens that keep it about this "
+                           "long, at the costs measured over recent steps (at least 32 tokens); 0: no bound but "
+                           "--max-prefill-tokens",
     "random_seed": "seeds the sampling of requests that set no seed of their own",
     "attention_backend": "MLA decode and the indexer: auto (Triton on CUDA), torch or triton",
     "moe_backend": "routed experts: auto, torch or triton",
@@ -119,6 +122,7 @@ class EngineArgs:
     max_prompt_tokens: int | None = None         # longer prompts are refused (default: the context length)
     chunked_prefill_size: int = 2048             # most prompt tokens of one request per step
     max_prefill_tokens: int = 8192               # most tokens (prefill and decode) in one step
+    max_decode_stall_ms: float = 1000.0          # prompt tokens per step while others decode: a step about this long
     random_seed: int = 0                         # seeds requests that set no seed of their own
     attention_backend: str = "auto"              # MLA decode and the indexer: auto (Triton on CUDA), torch, triton
     moe_backend: str = "auto"                    # routed experts
@@ -196,6 +200,7 @@ class EngineArgs:
             (self.max_prompt_tokens is None or self.max_prompt_tokens >= 1, "max_prompt_tokens", "at least 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size", "at least 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens", "at least 1"),
+            (self.max_decode_stall_ms >= 0, "max_decode_stall_ms", "at least 0"),
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "at least 1"),
             (self.torch_compile_max_bs >= 1, "torch_compile_max_bs", "at least 1"),
             (not (self.enable_torch_compile and self.enable_background_compile), "enable_background_compile",

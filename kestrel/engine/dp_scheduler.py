@@ -52,8 +52,13 @@ class DPScheduler:
     def has_work(self) -> bool:
         return any(group.has_work() for group in self.groups)
 
-    def schedule(self) -> list[ScheduledChunk]:
-        return [chunk for group in self.groups for chunk in group.schedule()]
+    def decoding(self) -> int:
+        return sum(group.decoding() for group in self.groups)
+
+    def schedule(self, prompt_limit: int | None = None) -> list[ScheduledChunk]:
+        """Every group's chunks, each group taking an equal share of prompt_limit (the step runs them all)."""
+        share = None if prompt_limit is None else max(1, prompt_limit // len(self.groups))
+        return [chunk for group in self.groups for chunk in group.schedule(share)]
 
     def finish(self, seq: Sequence) -> None:
         self.groups[seq.dp_group].finish(seq)

@@ -36,6 +36,7 @@ from .dp_scheduler import DPScheduler
 from .handoff import Handoff, handoff_parts, split_context
 from .model_runner import PREFILL_TERMS, ModelRunner
 from .outputs import Logprob, RequestOutput, TokenLogprobs
+from .pacer import PrefillPacer
 from .ranks import Ranks, load_shard, model_drafter
 from .request import Request, Sequence, Status
 from .sampling import (SampleResult, SamplingParams, SamplingRow, finite_rows, gather_logprobs,
@@ -97,7 +98,7 @@ class LLMEngine:
             self.shutdown()
             raise
         if device.type == "cpu":
-            cpu.available()     # kestrel's C++ kernels (built once per machine, ~55 s on two cores): now, not a step
+            cpu.available()     # kestrel's C++ kernels (built once per machine, ~80 s on two cores): now, not a step
         self.model, self.plan, self.config, self.cache = shard.model, shard.plan, shard.model.config, shard.cache
         self.handoff_layout = shard.handoff_layout
         self.tokenizer = Tokenizer.from_folder_or_none(folder)
@@ -114,6 +115,7 @@ class LLMEngine:
             for _ in range(layout.dp_size - 1)]
         groups = [self._scheduler(table, ops) for table, ops in journals]
         self.scheduler = groups[0] if len(groups) == 1 else DPScheduler(groups)
+        self.pacer = PrefillPacer(args.max_decode_stall_ms / 1000)
         slots, ops = self.plan.num_slots, journals[0][1]
         decode_graphs = None
         self.background = None
@@ -370,17 +372,22 @@ class LLMEngine:
             with module_calls() if self.background else contextlib.nullcontext():    # a STANDALONE draft model
                 self._propose_drafts()
             self.spec_stats.draft_seconds += time.perf_counter() - started
-        chunks = self.scheduler.schedule()
+        decoding = self.scheduler.decoding()
+        chunks = self.scheduler.schedule(self.pacer.limit(decoding) if decoding else None)
         self.stalled = not chunks and not self._compiling
         if not chunks:
             if self._compiling:
                 wait(self._compiling.values(), COMPILE_POLL_S, FIRST_COMPLETED)
             return [request.output() for request in rejected]
+        prompt_tokens, decoded = sum(c.length for c in chunks if not c.decodes), sum(c.decodes for c in chunks)
+        computing = time.perf_counter()
         touched: dict[str, Request] = {r.request_id: r for r in rejected}
-        plain, verifying = [c for c in chunks if not c.draft], [c for c in chunks if c.draft]
+        verifying = [c for c in chunks if c.draft]
+        decodes, prompts = [c for c in chunks if c.decodes and not c.draft], [c for c in chunks if not c.decodes]
         computed: list[Computed] = []     # for a model drafter (MTP, block draft)
-        if plain:
-            self._run_plain(plain, touched, computed)
+        for plain in (decodes, prompts):  # apart: in one forward every sequence would take the prefill path
+            if plain:
+                self._run_plain(plain, touched, computed)
         if verifying:
             self._run_verify(verifying, touched, computed)
         if self.drafter is not None:
@@ -388,6 +395,7 @@ class LLMEngine:
             self._draft_from_hidden(computed, touched)
             self.spec_stats.draft_seconds += time.perf_counter() - started
         self._hand_off_ended()
+        self.pacer.observe(decoded, prompt_tokens, time.perf_counter() - computing)
         for request_id, request in touched.items():
             if request.finished:
                 self.requests.pop(request_id, None)

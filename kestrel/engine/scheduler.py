@@ -1,7 +1,8 @@
 """Continuous batching over the hybrid cache: which sequences compute which tokens in the next step.
 
 Each step has a token budget (max_prefill_tokens) shared by decode tokens and prefill chunks (at most
-chunked_prefill_size per sequence). Running sequences go first, in priority order; waiting ones are admitted
+chunked_prefill_size per sequence); while sequences decode, the engine may cap the prompt tokens further
+(pacer.PrefillPacer). Running sequences go first, in priority order; waiting ones are admitted
 while both pools have room: a state slot each (n for a request that will fork), and KV pages for their first
 chunk plus one page of headroom per running sequence, so that admission never forces the next decode step to
 preempt. When a running sequence needs a page and none is free, the lowest-priority running sequence is
@@ -46,6 +47,11 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         return self.start + self.length - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def decodes(self) -> bool:
+        """Computes the sequence's last token only (and its draft tokens), an output token (before the step runs)."""
+        return self.samples and self.length - len(self.draft) == 1 and self.start >= len(self.seq.request.prompt_ids)
 
     def token_ids(self) -> list[int]:
         return self.seq.tokens(self.start, self.start + self.length - len(self.draft)) + list(self.draft)
@@ -99,30 +105,42 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> list[ScheduledChunk]:
-        """The work of the next step (empty when nothing can run)."""
+    def decoding(self) -> int:
+        """Running sequences waiting for their next output token (that have computed every token but their last,
+        an output token)."""
+        return sum(seq.status is Status.RUNNING and seq.num_computed == seq.num_tokens - 1
+                   >= len(seq.request.prompt_ids) for seq in self.running)
+
+    def schedule(self, prompt_limit: int | None = None) -> list[ScheduledChunk]:
+        """The work of the next step (empty when nothing can run): at most prompt_limit tokens of prompts (and of
+        outputs recomputed after a preemption) in it; None: what the token budget leaves."""
         chunks: list[ScheduledChunk] = []
         scheduled: set[Sequence] = set()
         budget = self.token_budget
+        prompt = budget if prompt_limit is None else prompt_limit
         for seq in sorted(self.running, key=lambda s: s.priority_key):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            length = self._chunk_length(seq, budget)
             decoding = seq.num_computed == seq.num_tokens - 1
+            length = self._chunk_length(seq, budget if decoding else min(budget, prompt))
+            if length == 0:
+                continue
             draft, seq.draft = (seq.draft[:budget - length] if decoding else ()), ()
             if not self._grow(seq, length + len(draft), protected=scheduled):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
             scheduled.add(seq)
             budget -= length + len(draft)
+            prompt -= 0 if decoding else length
         self.waiting.sort(key=lambda s: s.priority_key)
-        while self.waiting and budget > 0:
-            length = self._admit(self.waiting[0], budget)
+        while self.waiting and min(budget, prompt) > 0:
+            length = self._admit(self.waiting[0], min(budget, prompt))
             if not length:
                 break
             seq = self.waiting.pop(0)
             chunks.append(ScheduledChunk(seq, seq.num_computed, length))
             budget -= length
+            prompt -= length
         return [self._capture(chunk) for chunk in chunks]        # after admissions: they come first
 
     def record_progress(self, seq: Sequence) -> None:

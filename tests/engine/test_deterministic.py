@@ -184,3 +184,30 @@ def test_refuses_what_it_cannot_hold(model_dir, flags, named):
             as refused:
         engine(model_dir, **flags)
     assert named in str(refused.value)
+
+
+def test_paced_prefill_equals_alone(model_dir):
+    """While sequences decode, the pacer's limit (here 3 prompt tokens a step) spreads the prompts arriving over
+    more steps; each forward holds either decode tokens or prompt chunks, never both; the outputs are those of
+    every request run alone."""
+    jobs = [Job(job.prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1), job.arrival)
+            for job in workload(5, count=6)]
+    eng = engine(model_dir)
+    eng.pacer.limit = lambda decoding: 3
+    steps, forwards = [], []
+    schedule, run_forward = eng.scheduler.schedule, eng.runner.run
+
+    def scheduling(*args):
+        chunks = schedule(*args)
+        steps.append([(c.decodes, c.length) for c in chunks])
+        return chunks
+
+    def recording(chunks, *args):
+        forwards.append({c.decodes for c in chunks})
+        return run_forward(chunks, *args)
+    eng.scheduler.schedule, eng.runner.run = scheduling, recording
+    for got, expected in zip(run(eng, jobs), alone(model_dir, jobs)):
+        assert_same(got, expected)
+    mixed = [step for step in steps if {decodes for decodes, _ in step} == {True, False}]
+    assert mixed and all(sum(length for decodes, length in step if not decodes) <= 3 for step in mixed)
+    assert all(len(kinds) == 1 for kinds in forwards) and len(forwards) == sum(map(bool, steps)) + len(mixed)

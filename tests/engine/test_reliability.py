@@ -43,7 +43,7 @@ def test_prompts_past_max_prompt_tokens_are_refused(model_dir):
 
 def test_a_schedule_that_can_never_run_raises_instead_of_looping(model_dir, monkeypatch):
     llm = LLM(str(model_dir))
-    monkeypatch.setattr(llm.engine.scheduler, "schedule", lambda: [])
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", lambda *limit: [])
     with pytest.raises(RuntimeError, match="cannot schedule"):
         llm.generate({"prompt_token_ids": [5, 6]}, greedy(2))
 

@@ -312,8 +312,8 @@ def test_draft_tokens_count_against_the_step_budget(model_dir, plain, oracle, mo
     scheduler, totals = llm.engine.scheduler, []
     schedule = scheduler.schedule
 
-    def counted():
-        chunks = schedule()
+    def counted(*limit):
+        chunks = schedule(*limit)
         totals.append(sum(c.length for c in chunks))
         return chunks
     monkeypatch.setattr(scheduler, "schedule", counted)
@@ -328,8 +328,8 @@ def test_speculation_pauses_while_more_sequences_run_than_the_limit(model_dir, p
     running, verified = [], []
     schedule = llm.engine.scheduler.schedule
 
-    def recorded():
-        chunks = schedule()
+    def recorded(*limit):
+        chunks = schedule(*limit)
         running.append(len(llm.engine.scheduler.running))
         verified.append(any(c.draft for c in chunks))
         return chunks

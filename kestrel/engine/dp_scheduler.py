@@ -55,6 +55,9 @@ class DPScheduler:
     def decoding(self) -> int:
         return sum(group.decoding() for group in self.groups)
 
+    def prefilling(self) -> bool:
+        return any(group.prefilling() for group in self.groups)
+
     def schedule(self, prompt_limit: int | None = None) -> list[ScheduledChunk]:
         """Every group's chunks, each group taking an equal share of prompt_limit (the step runs them all)."""
         share = None if prompt_limit is None else max(1, prompt_limit // len(self.groups))

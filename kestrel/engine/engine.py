@@ -373,7 +373,8 @@ class LLMEngine:
                 self._propose_drafts()
             self.spec_stats.draft_seconds += time.perf_counter() - started
         decoding = self.scheduler.decoding()
-        chunks = self.scheduler.schedule(self.pacer.limit(decoding) if decoding else None)
+        paced = decoding and self.scheduler.prefilling()        # (the limit's fit costs ~0.1 ms: only then)
+        chunks = self.scheduler.schedule(self.pacer.limit(decoding) if paced else None)
         self.stalled = not chunks and not self._compiling
         if not chunks:
             if self._compiling:

@@ -3,8 +3,10 @@
 A step computes its decoding sequences' next tokens together with its prompt chunks, so every running stream waits
 for the whole step: a step that prefills a burst of prompts (clients that finished together and sent their next
 requests at once, or a long prompt) holds them up for as long as the burst takes. While any sequence decodes, the
-scheduler takes only the prompt tokens that keep the step within about `stall_s`; the rest wait for later steps. A
-step with no decoding sequence takes prompt tokens up to --max-prefill-tokens, as before.
+scheduler takes only the prompt tokens that keep the step within about `stall_s`, or, where the decoding sequences
+alone take more than half of that, as many as take as long as they do (so prompts never crawl: on a slow path a
+step at most doubles); the rest wait for later steps. A step with no decoding sequence takes prompt tokens up to
+--max-prefill-tokens, as before.
 
 A step's wall time is modelled as a + b * (decoding sequences) + c * (prompt tokens), fitted by least squares to the
 last WINDOW steps with prompt tokens and the last WINDOW without. The bound depends on time, so which step a prompt
@@ -47,5 +49,6 @@ class PrefillPacer:
         fixed, per_sequence, per_token = fit.solution.flatten().tolist()
         if per_token <= 0:          # (noise, or prompt steps all alike: take the slowest prompt token seen)
             per_token = max(s / p for _, p, s in self.prefills)
-        room = self.stall_s - max(fixed + per_sequence * decoding, 0.0)
+        decode = max(fixed + per_sequence * decoding, 0.0)
+        room = max(self.stall_s - decode, decode)       # prompts get at least as long as the decode tokens take
         return max(MIN_PROMPT_TOKENS, int(room / per_token))

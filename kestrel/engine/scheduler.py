@@ -111,6 +111,10 @@ class Scheduler:
         return sum(seq.status is Status.RUNNING and seq.num_computed == seq.num_tokens - 1
                    >= len(seq.request.prompt_ids) for seq in self.running)
 
+    def prefilling(self) -> bool:
+        """Whether prompt tokens (or outputs to recompute) wait: queued sequences, or running ones not caught up."""
+        return bool(self.waiting) or any(seq.num_computed < seq.num_tokens - 1 for seq in self.running)
+
     def schedule(self, prompt_limit: int | None = None) -> list[ScheduledChunk]:
         """The work of the next step (empty when nothing can run): at most prompt_limit tokens of prompts (and of
         outputs recomputed after a preemption) in it; None: what the token budget leaves."""

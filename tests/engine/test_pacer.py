@@ -26,10 +26,13 @@ def test_the_limit_fills_the_stall_after_the_decode_cost_of_the_fitted_model():
         pacer.observe(decoding, prompt, cost(decoding, prompt))
     for decoding in (1, 8, 32):
         pacer.observe(decoding, 0, cost(decoding, 0))
-    for decoding in (1, 8, 32, 100):
-        expected = (1.0 - FIXED - PER_SEQUENCE * decoding) / PER_TOKEN
+    for decoding in (1, 8, 32, 100, 160, 500):
+        decode = FIXED + PER_SEQUENCE * decoding
+        expected = max(1.0 - decode, decode) / PER_TOKEN   # past half the stall, as long as the decode tokens take
         assert pacer.limit(decoding) in (int(expected) - 1, int(expected))    # float64 least squares, rounding
-    assert pacer.limit(160) == MIN_PROMPT_TOKENS           # the decode tokens alone take longer than the stall
+    slow = PrefillPacer(stall_s=1.0)
+    slow.observe(0, 1, 100.0)           # one token in 100 s (least norm: 50 s fixed, 50 s a token): 1 token fits
+    assert slow.limit(0) == MIN_PROMPT_TOKENS
 
 
 def test_only_the_last_steps_count_and_zero_turns_the_bound_off():
@@ -63,8 +66,9 @@ def test_prompt_limit_caps_prompt_chunks_and_admissions_not_decode_tokens(limit)
     assert first.length == 3 and scheduler.decoding() == 0
     a.num_computed += first.length
     a.output_ids.append(7)
-    assert scheduler.decoding() == 1
+    assert scheduler.decoding() == 1 and not scheduler.prefilling()
     scheduler.add(b)
+    assert scheduler.prefilling()
     steps, most = 0, min(limit or 64, 16)
     while b.num_computed < b.num_tokens:
         chunks = scheduler.schedule(limit)
@@ -72,6 +76,7 @@ def test_prompt_limit_caps_prompt_chunks_and_admissions_not_decode_tokens(limit)
         assert [c.length for c in chunks if not c.decodes] == [min(most, b.num_tokens - b.num_computed)]
         b.num_computed += chunks[-1].length
         steps += 1
+        assert scheduler.prefilling() == (b.num_computed < b.num_tokens - 1)
     assert steps == -(-b.num_tokens // most) and scheduler.decoding() == 1
 
 

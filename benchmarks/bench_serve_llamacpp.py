@@ -12,7 +12,7 @@ Three servers per model, one at a time, each a separate process on loopback with
   thread count: one per core);
 - `kestrel serve --disable-cpu-kernels` (torch's kernels only: what the defaults were before them).
 Each is timed from launch to its first answer (a 1-token completion; kestrel's CPU kernels built before, as a
-first start on a machine builds them once, ~80 s on 2 cores: kestrel.ops.cpu.load), then driven by one client
+first start on a machine builds them once, ~60 s on 2 cores: kestrel.ops.cpu.load), then driven by one client
 (bench_compile_defaults.window: streamed /v1/completions, 128-token prompts, 64 greedy tokens, ignore_eos, each of C
 clients sending its next request as its last ends) for WINDOW_S seconds at each concurrency C in CONCURRENCY: output
 tok/s, TTFT p50/p99, inter-token latency p50/p99 and the longest gap.

@@ -2,11 +2,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 KESTREL := $(VENV)/bin/kestrel
-# The pinned CPU build of torch lies on these machines' disk; elsewhere pip takes it from PyPI. --no-compile: Python
-# compiles the modules it imports on first import instead of pip compiling every module installed (torch's
-# thousands): the install 117 -> 60 s on 2 cores.
+# The pinned CPU build of torch lies on these machines' disk; elsewhere pip takes it from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile $(FIND_LINKS)
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS)
 
 .PHONY: serve test check-recipes clean
 

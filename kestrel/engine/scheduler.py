@@ -135,7 +135,8 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, length + len(draft), draft))
             scheduled.add(seq)
             budget -= length + len(draft)
-            prompt -= 0 if decoding else length
+            if not decoding:
+                prompt -= length
         self.waiting.sort(key=lambda s: s.priority_key)
         while self.waiting and min(budget, prompt) > 0:
             length = self._admit(self.waiting[0], min(budget, prompt))

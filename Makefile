@@ -2,21 +2,27 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 KESTREL := $(VENV)/bin/kestrel
-# The pinned CPU build of torch lies on these machines' disk; elsewhere pip takes it from PyPI.
+# The pinned CPU build of torch lies on these machines' disk; elsewhere it comes from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check $(FIND_LINKS)
+# pip installs uv, and uv the rest: ~35 s from a fresh clone on 2 cores against pip's ~100 s. Bytecode is compiled
+# at install (on every core), since these machines write none at run time (PYTHONDONTWRITEBYTECODE=1).
+UV := $(VENV)/bin/uv
+INSTALL := $(UV) pip install --quiet --python $(PY) --compile-bytecode $(FIND_LINKS)
 
 .PHONY: serve test check-recipes clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(VENV)/.runtime: pyproject.toml | $(PY)
-	$(PIP) -e .
+$(UV): | $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check uv==0.13.10
+
+$(VENV)/.runtime: pyproject.toml | $(UV)
+	$(INSTALL) -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml | $(PY)
-	$(PIP) -e '.[test]'
+$(VENV)/.test: pyproject.toml | $(UV)
+	$(INSTALL) -e '.[test]'
 	touch $@ $(VENV)/.runtime
 
 # Serves the bundled model, models/k3.1-tiny, on 127.0.0.1:8000.

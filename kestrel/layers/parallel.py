@@ -35,6 +35,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.par = par
         self.first, self.end = vocab_range(num_embeddings, par, par.layout.tp_rank)
 
+    def reset_parameters(self) -> None:
+        """nn.Embedding's normal init, except on the meta device (models are built there before loading), where
+        there is nothing to draw and torch's normal_ would import torch._dynamo (~1.7 s of start-up)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.par.group is None:
             return super().forward(ids)

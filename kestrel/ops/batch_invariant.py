@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from . import cpu
+from .tracing import constant_when_traced
 from .torch.moe import moe_experts_native
 
 _state = threading.local()
@@ -53,7 +54,7 @@ _entered = 0
 """How many invariant() blocks are open, on all threads: the overrides are registered while any is."""
 
 
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def active() -> bool:
     """Whether this thread is inside `invariant()`. A constant to torch.compile's tracing (no compiled step runs in
     the mode), so graphs carry no guard on the thread-local state: one compiled on another thread would fail it."""

@@ -5,6 +5,7 @@ tests too; prune, which a build runs, leaves the most recently used libraries on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -24,6 +25,29 @@ def test_a_failed_build_leaves_the_torch_paths(compiler: str, tmp_path, monkeypa
         assert cpu._load.__wrapped__() is False
     assert "kestrel's CPU kernels failed to build, using the torch paths" in caplog.text
     assert not any((tmp_path / "cpu-kernels").glob("*.so"))
+
+
+def _inductors_flags() -> list[str]:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return [*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())] if isa else []
+
+
+def test_the_isa_flags_are_inductors_picked_or_remembered(tmp_path, monkeypatch) -> None:
+    """The flags come from inductor's pick the first time, then from the memo it leaves (per CPU, compiler, torch
+    and ATEN_CPU_CAPABILITY); a damaged memo is picked again and rewritten."""
+    monkeypatch.setattr(cpu, "CACHE", tmp_path)
+    assert cpu._isa_flags() == _inductors_flags()
+    memo, = tmp_path.glob("isa-*.json")
+    assert json.loads(memo.read_text()) == _inductors_flags()
+    memo.write_text(json.dumps(["-mremembered"]))
+    assert cpu._isa_flags() == ["-mremembered"]
+    memo.write_text("[damaged")
+    assert cpu._isa_flags() == _inductors_flags() == json.loads(memo.read_text())
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert cpu._isa_flags() == _inductors_flags() == []
+    assert len(list(tmp_path.glob("isa-*.json"))) == 2
 
 
 AVX2_RUN = """

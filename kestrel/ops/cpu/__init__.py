@@ -47,7 +47,8 @@
   kestrel.ops.batch_invariant (deterministic inference).
 
 `load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
-too) for the vector ISA inductor picks on this CPU, with the flags its own generated code gets (-ffp-contract=off
+too) for the vector ISA inductor picks on this CPU (remembered per CPU beside the libraries, so that later
+processes skip importing inductor), with the flags its own generated code gets (-ffp-contract=off
 among them: each kernel rounds where its source says, with fused multiply-adds where it calls them), into
 `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
 by processes (built once: torch's headers precompiled, then the sources compiled at once on every core, ~60 s on
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -71,6 +73,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from ..tracing import constant_when_traced
 
 log = logging.getLogger("kestrel")
 
@@ -94,14 +98,12 @@ def load() -> bool:
 
 @cache
 def _load() -> bool:
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    isa = pick_vec_isa()
-    if not isa:
+    isa_flags = _isa_flags()
+    if not isa_flags:
         log.warning("kestrel's CPU kernels: inductor found no vector ISA on this CPU; using the torch paths.")
         return False
     try:
-        library = _build([*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())])
+        library = _build(isa_flags)
         torch.ops.load_library(library)
     except (OSError, subprocess.CalledProcessError) as e:       # no compiler, say: the torch paths compute the same
         detail = getattr(e, "stderr", None) or str(e)
@@ -181,10 +183,39 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def available() -> bool:
     """Whether callers take the kernels: enabled, and load() (a constant to torch.compile's tracing)."""
     return _enabled and load()
+
+
+def _isa_flags() -> list[str]:
+    """The compiler flags of the vector ISA inductor picks on this CPU (its arch flags, then its macros as -D flags;
+    empty where it finds none). Remembered in CACHE per CPU (its /proc/cpuinfo flags), compiler, torch version and
+    ATEN_CPU_CAPABILITY (what the pick depends on), so that a process that finds them there never imports inductor
+    (~2 s of start-up)."""
+    try:
+        cpu_flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        cpu_flags = None
+    compiler = os.environ.get("CXX", "c++")
+    key = hashlib.sha256(repr((cpu_flags, compiler, shutil.which(compiler), torch.__version__,
+                               os.environ.get("ATEN_CPU_CAPABILITY"))).encode()).hexdigest()[:16]
+    memo = CACHE / f"isa-{key}.json"
+    if cpu_flags is not None:
+        with contextlib.suppress(OSError, ValueError):          # none remembered yet, or a damaged memo
+            return json.loads(memo.read_text())
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    flags = [*isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())] if isa else []
+    if cpu_flags is not None:
+        with contextlib.suppress(OSError):
+            CACHE.mkdir(parents=True, exist_ok=True)
+            partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(flags))
+            partial.replace(memo)
+    return flags
 
 
 def _build(isa_flags: list[str]) -> Path:

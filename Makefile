@@ -29,7 +29,7 @@ $(VENV)/.test: pyproject.toml | $(UV)
 serve: $(VENV)/.runtime
 	$(KESTREL) serve
 
-# kestrel's CPU kernels are built once before the tests (~60 s on 2 cores), not by every test process
+# kestrel's CPU kernels are built once before the tests (~25 s on 2 cores), not by every test process
 # that needs them at once. The cookbook page is tested in a real headless browser (Debian's chromium, installed
 # when missing). Each test runs on one torch thread (tests/conftest.py), so two workers use both cores: 240-312 s
 # on 2 cores against 508-570 s in one process when measured on AVX-512 (~500 s with two workers on a 2-core AVX2

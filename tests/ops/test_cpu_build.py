@@ -19,6 +19,8 @@ import kestrel.ops.cpu as cpu
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler", "false"])
 def test_a_failed_build_leaves_the_torch_paths(compiler: str, tmp_path, monkeypatch, caplog) -> None:
+    flags = cpu._isa_flags()        # picked with the working compiler (inductor remembers the compiler it found)
+    monkeypatch.setattr(cpu, "_isa_flags", lambda: flags)
     monkeypatch.setattr(cpu, "CACHE", tmp_path / "cpu-kernels")
     monkeypatch.setenv("CXX", str(tmp_path / compiler) if compiler.startswith("no-") else compiler)
     with caplog.at_level(logging.WARNING, logger="kestrel"):
@@ -48,6 +50,16 @@ def test_the_isa_flags_are_inductors_picked_or_remembered(tmp_path, monkeypatch)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     assert cpu._isa_flags() == _inductors_flags() == []
     assert len(list(tmp_path.glob("isa-*.json"))) == 2
+
+
+def test_an_isa_pick_that_finds_no_compiler_leaves_the_torch_paths(monkeypatch, caplog) -> None:
+    def no_compiler() -> list[str]:
+        raise RuntimeError("No working C++ compiler found")     # what inductor's pick raises (InvalidCxxCompiler)
+
+    monkeypatch.setattr(cpu, "_isa_flags", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="kestrel"):
+        assert cpu._load.__wrapped__() is False
+    assert "failed to build, using the torch paths: No working C++ compiler found" in caplog.text
 
 
 AVX2_RUN = """
@@ -83,6 +95,19 @@ def test_the_avx2_build_computes_the_same() -> None:
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " skipped" not in result.stdout
+
+
+def test_the_sources_are_split_into_one_unit_per_core_of_about_equal_size(tmp_path) -> None:
+    sizes = [900, 100, 500, 400, 300, 50]
+    sources = [tmp_path / f"s{i}.cpp" for i in range(len(sizes))]
+    for source, size in zip(sources, sizes):
+        source.write_bytes(b"x" * size)
+    for cores in (1, 2, 3, 16):
+        units = cpu._units(sources, cores)
+        assert len(units) == min(cores, len(sources)) and all(units)
+        assert sorted(s for unit in units for s in unit) == sorted(sources)
+        totals = [sum(s.stat().st_size for s in unit) for unit in units]
+        assert max(totals) - min(totals) <= max(sizes)
 
 
 def test_prune_keeps_the_most_recently_used_libraries_and_builds_under_way(tmp_path) -> None:

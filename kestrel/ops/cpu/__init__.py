@@ -46,15 +46,14 @@
   fused multiply-add per input from zero, k ascending, as linear_rows sums too: the batch-invariant GEMM of
   kestrel.ops.batch_invariant (deterministic inference).
 
-`load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs
-too) for the vector ISA inductor picks on this CPU (remembered per CPU beside the libraries, so that later
-processes skip importing inductor), with the flags its own generated code gets (-ffp-contract=off
-among them: each kernel rounds where its source says, with fused multiply-adds where it calls them), into
-`~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME` if set): one library per sources, flags and torch version, shared
-by processes (built once: torch's headers precompiled, then the sources compiled at once on every core, ~60 s on
-2 cores; a build removes all but the KEEP most recently used), and tags inductor's cache keys with the library's,
-so that no graph compiled against other kernels calls these. Where no ISA is found or the build fails it returns
-False (logged once), and callers take their torch paths, which compute the same.
+`load()` builds them on first use with the machine's C++ compiler (`$CXX`, else `c++`: the one inductor needs too) for
+the vector ISA inductor picks on this CPU (remembered per CPU beside the libraries, so that later processes skip
+importing inductor), with the flags its own generated code gets (-ffp-contract=off among them: each kernel rounds where
+its source says, with fused multiply-adds where it calls them), into `~/.cache/kestrel/cpu-kernels` (`$XDG_CACHE_HOME`
+if set): one library per sources, flags and torch version, shared by processes (built once: the sources compiled as one
+translation unit per core, at once, ~25 s on 2 cores; a build removes all but the KEEP most recently used), and tags
+inductor's cache keys with the library's, so that no graph compiled against other kernels calls these. Where no ISA is
+found or the build fails it returns False (logged once), and callers take their torch paths, which compute the same.
 """
 
 from __future__ import annotations
@@ -80,7 +79,6 @@ log = logging.getLogger("kestrel")
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-PRECOMPILED = Path(__file__).parent / "precompiled.h"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "cpu-kernels"
 _loading = threading.Lock()
 KEEP = 8
@@ -98,16 +96,17 @@ def load() -> bool:
 
 @cache
 def _load() -> bool:
-    isa_flags = _isa_flags()
-    if not isa_flags:
-        log.warning("kestrel's CPU kernels: inductor found no vector ISA on this CPU; using the torch paths.")
-        return False
     try:
-        library = _build(isa_flags)
-        torch.ops.load_library(library)
-    except (OSError, subprocess.CalledProcessError) as e:       # no compiler, say: the torch paths compute the same
+        isa_flags = _isa_flags()            # (inductor's pick raises a RuntimeError without a working compiler)
+        if isa_flags:
+            library = _build(isa_flags)
+            torch.ops.load_library(library)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:    # the torch paths compute the same
         detail = getattr(e, "stderr", None) or str(e)
         log.warning("kestrel's CPU kernels failed to build, using the torch paths: %s", detail.strip()[-2000:])
+        return False
+    if not isa_flags:
+        log.warning("kestrel's CPU kernels: inductor found no vector ISA on this CPU; using the torch paths.")
         return False
     # Inductor's on-disk cache keys a compiled graph by its FX code, in which a call of these ops reads the same
     # whatever their schemas: tagging the keys with the library's own key keeps a graph compiled against other
@@ -245,22 +244,29 @@ def _build(isa_flags: list[str]) -> Path:
 
 
 def _compile(sources: list[Path], library: Path, compile_flags: list[str], link_flags: list[str]) -> None:
-    """Compile PRECOMPILED once, then each source to an object with it, one compiler per core at once, and link them
-    into library (a compiler that cannot use the precompiled header parses the header instead)."""
+    """Compile the sources as one translation unit per core at most (each #includes its share of them, so that
+    torch's headers, most of a unit's time, are parsed once per unit; each source keeps its code in a namespace of its
+    own), the units at once, and link them into library."""
     compiler = os.environ.get("CXX", "c++")
 
     def run(arguments: list[str]) -> None:
         subprocess.run([compiler, *arguments], check=True, capture_output=True, text=True)
 
-    with tempfile.TemporaryDirectory(dir=library.parent) as folder, \
-            ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
-        header = Path(folder) / PRECOMPILED.name
-        shutil.copyfile(PRECOMPILED, header)
-        run(["-x", "c++-header", str(header), "-o", f"{header}.gch", *compile_flags])
-        objects = [str(Path(folder) / f"{source.stem}.o") for source in sources]
-        list(pool.map(lambda source, obj: run(["-include", str(header), "-c", str(source), "-o", obj,
-                                               *compile_flags]), sources, objects))
-        run([*objects, "-o", str(library), *link_flags])
+    units = _units(sources, len(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder, ThreadPoolExecutor(len(units)) as pool:
+        paths = [Path(folder) / f"unit{i}.cpp" for i in range(len(units))]
+        for path, unit in zip(paths, units):
+            path.write_text("".join(f'#include "{source}"\n' for source in unit))
+        list(pool.map(lambda path: run(["-c", str(path), "-o", str(path.with_suffix(".o")), *compile_flags]), paths))
+        run([*(str(path.with_suffix(".o")) for path in paths), "-o", str(library), *link_flags])
+
+
+def _units(sources: list[Path], count: int) -> list[list[Path]]:
+    """sources in at most `count` groups of about equal size in bytes (each, largest first, to the smallest group)."""
+    units: list[list[Path]] = [[] for _ in range(min(count, len(sources)))]
+    for source in sorted(sources, key=lambda source: -source.stat().st_size):
+        min(units, key=lambda unit: sum(s.stat().st_size for s in unit)).append(source)
+    return units
 
 
 def prune(cache: Path, keep: int) -> None:

@@ -16,7 +16,7 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+namespace attn_res_mix_norm_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -92,11 +92,11 @@ at::Tensor attn_res_mix_norm(const at::Tensor& sources, const at::Tensor& mix_no
   return out;
 }
 
-}  // namespace
+}  // namespace attn_res_mix_norm_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("attn_res_mix_norm(Tensor sources, Tensor mix_norm_weight, Tensor proj_weight, float mix_eps, "
         "Tensor? norm_weight, float norm_eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("attn_res_mix_norm", &attn_res_mix_norm); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("attn_res_mix_norm", &attn_res_mix_norm_kernel::attn_res_mix_norm); }

@@ -29,7 +29,7 @@
 
 #include "glu.h"
 
-namespace {
+namespace expert_matvec_kernel {
 
 using at::vec::Vectorized;
 using Chunk = at::vec::VectorizedN<float, 2>;
@@ -119,7 +119,7 @@ struct DenseRows {
   DenseRows expert(int64_t e, int64_t out_dim) const { return {w + e * out_dim * in, in}; }
   struct Row {
     const T* w;
-    Chunk load(int64_t k, int64_t n) const { return ::load(w + k, n); }
+    Chunk load(int64_t k, int64_t n) const { return expert_matvec_kernel::load(w + k, n); }
     void prefetch(int64_t k) const { __builtin_prefetch(w + k, 0, 0); }
   };
   Row row(int64_t r) const { return {w + r * in}; }
@@ -348,7 +348,7 @@ at::Tensor expert_mlp(const at::Tensor& z, const at::Tensor& ids, const at::Tens
   return out;
 }
 
-}  // namespace
+}  // namespace expert_matvec_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("expert_matvec(Tensor x, Tensor expert, Tensor w, Tensor? scale=None) -> Tensor");
@@ -357,6 +357,6 @@ TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) {
-  m.impl("expert_matvec", &expert_matvec);
-  m.impl("expert_mlp", &expert_mlp);
+  m.impl("expert_matvec", &expert_matvec_kernel::expert_matvec);
+  m.impl("expert_mlp", &expert_matvec_kernel::expert_mlp);
 }

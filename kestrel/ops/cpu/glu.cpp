@@ -10,7 +10,7 @@
 
 #include "glu.h"
 
-namespace {
+namespace glu_kernel {
 
 using kestrel_glu::Vec;
 
@@ -31,10 +31,10 @@ at::Tensor glu(const at::Tensor& gate, const at::Tensor& up, bool situ, double b
   return out;
 }
 
-}  // namespace
+}  // namespace glu_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("glu(Tensor gate, Tensor up, bool situ, float beta, float linear_beta) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("glu", &glu); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("glu", &glu_kernel::glu); }

@@ -37,7 +37,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace indexer_topk_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -485,11 +485,11 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& weights, const at
   return out;
 }
 
-}  // namespace
+}  // namespace indexer_topk_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor? key_scales, Tensor page_table, int page_size, "
         "Tensor seq_index, Tensor positions, int topk) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("indexer_topk", &indexer_topk); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("indexer_topk", &indexer_topk_kernel::indexer_topk); }

@@ -1,5 +1,5 @@
-// kestrel_cpu::invariant_mm: a [M, K] @ b [K, N] -> [M, N] (or batched: [B, M, K] @ [B, K, N]) in float32, each output summed in one fixed order
-// whatever M, N and the thread count are (kestrel.ops.batch_invariant).
+// kestrel_cpu::invariant_mm: a [M, K] @ b [K, N] -> [M, N] (or batched: [B, M, K] @ [B, K, N]) in float32, each
+// output summed in one fixed order whatever M, N and the thread count are (kestrel.ops.batch_invariant).
 //
 // out[m, n] = fma(a[m, K-1], b[K-1, n], ... fma(a[m, 1], b[1, n], fma(a[m, 0], b[0, n], 0))): one fused multiply-add
 // per input, k ascending, from zero. linear_rows computes exactly this too (its lanes are rows of x, these are
@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <cmath>
 
-namespace {
+namespace invariant_mm_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -95,8 +95,8 @@ at::Tensor invariant_mm(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
-}  // namespace
+}  // namespace invariant_mm_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) { m.def("invariant_mm(Tensor a, Tensor b) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("invariant_mm", &invariant_mm); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("invariant_mm", &invariant_mm_kernel::invariant_mm); }

@@ -25,7 +25,7 @@
 #include <tuple>
 #include <vector>
 
-namespace {
+namespace kda_chunk_terms_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t LANES = Vec::size();
@@ -210,11 +210,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {q_decayed, attn_qk, keys_to_values, values, keys_to_end, decay_total};
 }
 
-}  // namespace
+}  // namespace kda_chunk_terms_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("kda_chunk_terms(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("kda_chunk_terms", &kda_chunk_terms); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("kda_chunk_terms", &kda_chunk_terms_kernel::kda_chunk_terms); }

@@ -19,7 +19,7 @@
 #include <optional>
 #include <vector>
 
-namespace {
+namespace kda_decode_step_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float L2_EPS = 1e-6f;  // kestrel.ops.torch.kda_decode.l2_normalize's
@@ -150,7 +150,7 @@ at::Tensor kda_decode_step(const at::Tensor& qkv, const at::Tensor& gate_raw, co
   return out;
 }
 
-}  // namespace
+}  // namespace kda_decode_step_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("kda_decode_step_(Tensor qkv, Tensor gate_raw, Tensor beta_raw, Tensor out_gate, Tensor conv_weight, "
@@ -158,4 +158,4 @@ TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
         "Tensor(b!) state_pool, Tensor slots, Tensor use_state, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("kda_decode_step_", &kda_decode_step); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("kda_decode_step_", &kda_decode_step_kernel::kda_decode_step); }

@@ -16,7 +16,7 @@
 
 #include <algorithm>
 
-namespace {
+namespace linear_dots_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -142,8 +142,8 @@ at::Tensor linear_dots(const at::Tensor& x, const at::Tensor& w, const std::opti
   return out;
 }
 
-}  // namespace
+}  // namespace linear_dots_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) { m.def("linear_dots(Tensor x, Tensor w, Tensor? bias=None) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("linear_dots", &linear_dots); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("linear_dots", &linear_dots_kernel::linear_dots); }

@@ -15,7 +15,7 @@
 #include <algorithm>
 #include <bit>
 
-namespace {
+namespace linear_rows_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -109,8 +109,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::opti
   return out;
 }
 
-}  // namespace
+}  // namespace linear_rows_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) { m.def("linear_rows(Tensor x, Tensor w, Tensor? bias=None) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("linear_rows", &linear_rows); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("linear_rows", &linear_rows_kernel::linear_rows); }

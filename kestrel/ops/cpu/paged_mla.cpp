@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace paged_mla_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -170,11 +170,11 @@ at::Tensor paged_mla(const at::Tensor& q, const at::Tensor& values, const std::o
   return out;
 }
 
-}  // namespace
+}  // namespace paged_mla_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) {
   m.def("paged_mla(Tensor q, Tensor values, Tensor? scales, Tensor page_table, int page_size, Tensor seq_index, "
         "Tensor positions, float scale, int value_dim, Tensor? selected) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("paged_mla", &paged_mla); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("paged_mla", &paged_mla_kernel::paged_mla); }

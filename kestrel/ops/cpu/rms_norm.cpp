@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cmath>
 
-namespace {
+namespace rms_norm_kernel {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t V = Vec::size();
@@ -43,8 +43,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace rms_norm_kernel
 
 TORCH_LIBRARY_FRAGMENT(kestrel_cpu, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(kestrel_cpu, CPU, m) { m.impl("rms_norm", &rms_norm_kernel::rms_norm); }

@@ -1,6 +1,7 @@
 """kestrel.ops.cpu's build: where the C++ compiler is missing or fails, load() logs why and returns False, so that
 callers take their torch paths (the kernels' results are tested with their ops: test_moe_experts,
-test_kda_decode_step, test_linear_rows), and the cache holds no partial library; a build for AVX2 passes the kernel
+test_kda_decode_step, test_linear_rows), and the cache holds no partial library; the ISA flags are inductor's,
+picked or remembered; the sources split into about equal units, one per core; a build for AVX2 passes the kernel
 tests too; prune, which a build runs, leaves the most recently used libraries only."""
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class LLMEngine:
             self.shutdown()
             raise
         if device.type == "cpu":
-            cpu.available()     # kestrel's C++ kernels (built once per machine, ~60 s on two cores): now, not a step
+            cpu.available()     # kestrel's C++ kernels (built once per machine, ~25 s on two cores): now, not a step
         self.model, self.plan, self.config, self.cache = shard.model, shard.plan, shard.model.config, shard.cache
         self.handoff_layout = shard.handoff_layout
         self.tokenizer = Tokenizer.from_folder_or_none(folder)

@@ -263,9 +263,10 @@ def _compile(sources: list[Path], library: Path, compile_flags: list[str], link_
 
 def _units(sources: list[Path], count: int) -> list[list[Path]]:
     """sources in at most `count` groups of about equal size in bytes (each, largest first, to the smallest group)."""
+    size = {source: source.stat().st_size for source in sources}
     units: list[list[Path]] = [[] for _ in range(min(count, len(sources)))]
-    for source in sorted(sources, key=lambda source: -source.stat().st_size):
-        min(units, key=lambda unit: sum(s.stat().st_size for s in unit)).append(source)
+    for source in sorted(sources, key=size.get, reverse=True):
+        min(units, key=lambda unit: sum(map(size.get, unit))).append(source)
     return units
 
 
